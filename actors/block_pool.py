@@ -1,0 +1,120 @@
+"""KV blocks and the pool that hands them out (vLLM V1's ``vllm/v1/core/block_pool.py`` and
+``kv_cache_utils.py``).
+
+The free queue is a hand-written doubly linked list rather than a ``deque``: a block in the
+middle must come out in O(1) when a prefix-cache hit revives it, and the list order doubles as
+the LRU order of cached-but-unused blocks (evicted from the head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One block of ``block_size`` token slots.
+
+    Attributes:
+        block_id: index into the KV cache tensors' first dimension.
+        ref_cnt: requests holding the block; 0 means it sits in the free queue.
+        block_hash: prefix-cache hash of a full block, else ``None``.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks: ``popleft`` / ``append`` / ``remove`` all O(1)."""
+
+    def __init__(self, blocks: list[KVCacheBlock]):
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)  # sentinels keep the edge cases out of the methods
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for b in blocks:
+            prev.next_free, b.prev_free = b, prev
+            prev = b
+        prev.next_free, self._tail.prev_free = self._tail, prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the least recently freed block. Raises ``IndexError`` when empty."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def block_ids(self) -> list[int]:
+        """Block ids head to tail (tests and debugging)."""
+        ids, b = [], self._head.next_free
+        while b is not None and b is not self._tail:
+            ids.append(b.block_id)
+            b = b.next_free
+        return ids
+
+
+class BlockPool:
+    """All KV blocks, with reference counts and the free queue."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` free blocks (ref count 1 each).
+
+        Raises:
+            ValueError: fewer than ``n`` blocks are free (callers check first).
+        """
+        if n > self.get_num_free_blocks():
+            raise ValueError(f"cannot get {n} blocks: {self.get_num_free_blocks()} free")
+        out = []
+        for _ in range(n):
+            block = self.free_block_queue.popleft()
+            block.ref_cnt = 1
+            block.block_hash = None
+            out.append(block)
+        return out
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds go back to the queue, in
+        the order given (callers pass a request's blocks tail first)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def get_usage(self) -> float:
+        """Share of blocks in use, in [0, 1]."""
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks

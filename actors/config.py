@@ -1,0 +1,16 @@
+"""Scheduler settings, named as vLLM's flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Attributes:
+    max_num_seqs: running requests at most.
+    max_num_batched_tokens: tokens computed in one step at most (prefill chunks + decodes).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048

@@ -1,0 +1,40 @@
+"""Messages between the request tasks, the scheduler actor and the executor actor."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from actors.request import Request
+from gpu.batch import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Request task → scheduler: queue a new request."""
+
+    request: Request
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """Request task → scheduler: the client went away (or a stop string matched); free the
+    request's blocks before the next step."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class GetStats:
+    """Anyone → scheduler: reply with a stats snapshot (a plain dict)."""
+
+    reply: asyncio.Future[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class ExecuteModel:
+    """Scheduler → executor: run one step; the reply carries the sampled tokens."""
+
+    scheduler_output: SchedulerOutput
+    reply: asyncio.Future[ModelRunnerOutput]

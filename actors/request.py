@@ -1,0 +1,80 @@
+"""Request state as the scheduler sees it (vLLM V1's ``vllm/v1/request.py``, trimmed)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from gpu.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the scheduler pushes to a request's queue after a step.
+
+    Attributes:
+        new_token_ids: tokens sampled for the request in this step.
+        finish_reason: ``stop``, ``length``, ``abort``, ``error`` or ``None`` while running.
+        error: message when ``finish_reason == "error"``.
+    """
+
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request.
+
+    The unified scheduling model: ``num_computed_tokens`` catches up with ``num_tokens``
+    (prompt + output so far); a prefill chunk and a decode are the same operation.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_queue: asyncio.Queue[RequestOutput]
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,239 @@
+"""The scheduler actor: the one owner of the waiting queue, the running list and the KV blocks.
+
+Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its core):
+
+1. drain the mailbox (new requests, aborts, stats queries);
+2. ``schedule()``: under ``max_num_batched_tokens`` and ``max_num_seqs``, running requests
+   first (decodes and unfinished prefill chunks), then waiting ones, the last admitted prompt
+   taking what budget is left (chunked prefill). Out of blocks → preempt the latest-arrived
+   running request by recompute (it goes back to the front of the waiting queue);
+3. send the batch to the executor actor and await its reply;
+4. ``update_from_output()``: append sampled tokens, finish requests, free their blocks and push
+   each request's new tokens to its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import structlog
+
+from actors.actor import Actor
+from actors.config import SchedulerConfig
+from actors.kv_cache_manager import KVCacheManager
+from actors.messages import AbortRequest, AddRequest, ExecuteModel, GetStats
+from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+log = structlog.get_logger(__name__)
+
+
+class Scheduler(Actor):
+    name = "scheduler"
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, executor: Actor,
+        max_model_len: int,
+    ):
+        super().__init__()
+        self.config = config
+        self.kv = kv_cache_manager
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            if not self.has_unfinished_requests():
+                self._handle(await self.mailbox.get())
+            self._drain_mailbox()
+            if not self.has_unfinished_requests():
+                continue
+            so = self.schedule()
+            if not so.scheduled:  # nothing fits now; wait for an abort or a new request
+                self._handle(await self.mailbox.get())
+                continue
+            reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+            self.executor.send(ExecuteModel(so, reply))
+            try:
+                out = await reply
+            except Exception as e:  # a failed step fails its requests, not the server
+                log.exception("step_failed", num_reqs=len(so.scheduled))
+                self._fail(so, f"{type(e).__name__}: {e}")
+                continue
+            self.update_from_output(so, out)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _drain_mailbox(self) -> None:
+        while not self.mailbox.empty():
+            self._handle(self.mailbox.get_nowait())
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, AddRequest):
+            self.add_request(msg.request)
+        elif isinstance(msg, AbortRequest):
+            self.abort_request(msg.request_id)
+        elif isinstance(msg, GetStats):
+            if not msg.reply.done():
+                msg.reply.set_result(self.stats())
+        else:
+            raise TypeError(f"scheduler got an unknown message {msg!r}")
+
+    # -- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            request.output_queue.put_nowait(
+                RequestOutput([], "error", f"duplicate request id {request.request_id!r}")
+            )
+            return
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the request's K/V, keep its tokens."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log.debug("preempted", request_id=request.request_id)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running.pop()  # the latest arrived
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        # No admissions in a step that had to preempt: the blocks are short.
+        while (
+            self.waiting and budget > 0 and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request, n) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, n))
+            budget -= n
+        so = SchedulerOutput(scheduled, self.finished_req_ids)
+        self.finished_req_ids = set()
+        return so
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        if n == 1 and start == request.num_tokens - 1 and request.output_token_ids:
+            token_ids = request.output_token_ids[-1:]  # a decode: skip building all_token_ids
+        else:
+            token_ids = request.all_token_ids[start : start + n]
+        return ScheduledRequest(
+            req_id=request.request_id,
+            token_ids=token_ids,
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            sample=start + n == request.num_tokens,
+        )
+
+    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        self.num_steps += 1
+        now = time.monotonic()
+        for sr in so.scheduled:
+            request = self.requests.get(sr.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(sr.token_ids)
+            new = out.sampled_token_ids.get(sr.req_id)
+            if not new:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.output_token_ids.extend(new)
+            status = self._check_stop(request)
+            if status is not None:
+                self._finish(request, status)
+            request.output_queue.put_nowait(RequestOutput(new, FINISH_REASONS.get(status)))
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _fail(self, so: SchedulerOutput, error: str) -> None:
+        for sr in so.scheduled:
+            request = self.requests.get(sr.req_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                request.output_queue.put_nowait(RequestOutput([], "error", error))
+
+    # -- stats ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv.block_pool
+        return {
+            "scheduler": {
+                "num_waiting": len(self.waiting),
+                "num_running": len(self.running),
+                "num_preempted_total": self.num_preemptions,
+                "num_steps_total": self.num_steps,
+            },
+            "kv_cache": {
+                "block_size": self.kv.block_size,
+                "num_blocks": pool.num_blocks,
+                "num_free_blocks": pool.get_num_free_blocks(),
+                "usage": round(pool.get_usage(), 6),
+            },
+        }

@@ -1,0 +1,1 @@
+"""Device side: model code, weight loading, KV cache tensors, attention backends, sampling."""

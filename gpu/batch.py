@@ -1,0 +1,52 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+vLLM V1's unified step (``vllm/v1/core/sched/output.py``): every scheduled request contributes
+the tokens it computes this step, whether they are a prefill chunk or one decode token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        req_id: request id.
+        token_ids: tokens computed this step (prompt chunk, recomputed output, or the last
+            sampled token); ``token_ids[0]`` sits at position ``num_computed_tokens``.
+        num_computed_tokens: tokens whose K/V are already in the cache before this step.
+        block_ids: the request's whole block table, in order.
+        sampling_params: how to sample the request's next token.
+        sample: whether this step reaches the end of the known tokens, so a token is sampled.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """A step's batch: the scheduled requests and the ids that ended since the last step."""
+
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled token ids per request id (one each; lists leave room for speculation)."""
+
+    sampled_token_ids: dict[str, list[int]]

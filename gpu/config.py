@@ -1,0 +1,44 @@
+"""Engine settings that the device side needs (model, dtype, KV cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # 2 GiB: ~2,900 blocks of SmolLM2-135M in float32
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What to load and how.
+
+    Attributes:
+        model: ``.gguf`` file, local Hugging Face directory, hub id, or ``None`` for the
+            embedded SmolLM2-135M-Instruct.
+        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+        max_model_len: context limit in tokens (prompt + output); ``None`` = the model's.
+        seed: global seed for requests without their own.
+        device: ``cuda`` or ``cpu``; ``None`` picks CUDA when present.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str | None = None
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """KV cache sizing. Exactly one budget applies: the override, else the device's budget.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: KV budget on the CPU (bytes).
+        gpu_memory_utilization: share of GPU memory the engine may use on CUDA.
+        num_gpu_blocks_override: force this many blocks (tests use it to force preemption).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None

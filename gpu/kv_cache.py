@@ -1,0 +1,64 @@
+"""KV cache tensors: size the block pool from a memory budget and allocate per-layer caches.
+
+Bytes per block for a standard transformer: ``2 (K and V) * block_size * num_kv_heads *
+head_size * dtype_bytes * num_layers`` (vLLM's ``vllm/v1/kv_cache_interface.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
+
+
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_size)`` of the model."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_size
+
+
+def bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    layers, kv_heads, head_size = kv_shape(config)
+    return 2 * block_size * kv_heads * head_size * dtype.itemsize * layers
+
+
+def num_blocks_for(
+    config: PretrainedConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
+    model_bytes: int,
+) -> int:
+    """How many blocks the budget holds.
+
+    CPU: ``kv_cache_memory_bytes`` (default 2 GiB). CUDA: ``gpu_memory_utilization`` of the
+    device's memory minus the weights and what is already allocated.
+    """
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    per_block = bytes_per_block(config, cache.block_size, dtype)
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        budget -= model_bytes // 4  # headroom for activations until a profiling run sizes it
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    return max(budget // per_block, 0)
+
+
+def allocate_kv_caches(
+    config: PretrainedConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, ``(key_cache, value_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
+
+    Zero-filled so padded reads in the torch backend never meet NaN garbage.
+    """
+    layers, kv_heads, head_size = kv_shape(config)
+    shape = (num_blocks, block_size, kv_heads, head_size)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(layers)
+    ]

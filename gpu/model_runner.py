@@ -1,0 +1,182 @@
+"""Model runner: turns a ``SchedulerOutput`` into batch tensors, runs the model, samples.
+
+After vLLM V1's ``vllm/v1/worker/gpu_model_runner.py``: one forward pass per step over the
+flattened batch of every scheduled request (prefill chunks and decodes together).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from gpu import kv_cache, loader
+from gpu.attention import AttentionMetadata, TorchAttentionBackend
+from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from gpu.config import CacheConfig, ModelConfig
+from gpu.models.llama import LlamaForCausalLM
+from gpu.sampler import sample
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU (the parity oracle's dtype), bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the engine needs to know once the model is loaded."""
+
+    served_name: str
+    path: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    eos_token_ids: list[int]
+    load_seconds: float
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors and the per-request RNGs. Not thread-safe: the
+    executor actor calls it from its one worker thread."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig):
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.generators: dict[str, torch.Generator] = {}
+
+    def load(self) -> ModelInfo:
+        """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
+        start = time.perf_counter()
+        mc, cc = self.model_config, self.cache_config
+        self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = pick_dtype(mc.dtype, self.device)
+        torch.manual_seed(mc.seed)
+        resolved = loader.resolve_model(mc.model)
+        self.hf_config = loader.load_config(resolved.path)
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = mc.max_model_len or model_max
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.hf_config, TorchAttentionBackend(), self.max_model_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        # Buffers (RoPE tables) were on meta: rebuild them for real, in float32.
+        model.model.rotary_emb = type(model.model.rotary_emb)(
+            self.hf_config, model.model.layers[0].self_attn.head_size, self.max_model_len
+        ).to(self.device)
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.model.embed_tokens.weight
+        loader.load_weights(model, resolved.path)
+        self.model = model.eval()
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.block_size = cc.block_size
+        self.num_blocks = kv_cache.num_blocks_for(
+            self.hf_config, cc, self.dtype, self.device, model_bytes
+        )
+        self.kv_caches = kv_cache.allocate_kv_caches(
+            self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        return ModelInfo(
+            served_name=resolved.default_served_name,
+            path=str(resolved.path),
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            eos_token_ids=self._eos_token_ids(resolved.path),
+            load_seconds=time.perf_counter() - start,
+        )
+
+    def _eos_token_ids(self, path) -> list[int]:
+        """EOS ids from the generation config (may list several), else the model config."""
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:
+            eos = None
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list | tuple) else [eos]
+
+    def _prepare(self, reqs: list[ScheduledRequest]):
+        """Flatten the batch: decodes first, then prefill chunks (see ``gpu/attention.py``)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for r in reqs:
+            n, start = len(r.token_ids), r.num_computed_tokens
+            input_ids.extend(r.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            if r.sample:
+                logits_indices.append(qsl[-1] - 1)
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
+        num_decodes = sum(1 for r in reqs if len(r.token_ids) == 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )
+
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+        seed = r.sampling_params.seed
+        if seed is None or r.sampling_params.greedy:
+            return None
+        gen = self.generators.get(r.req_id)
+        if gen is None:
+            gen = self.generators[r.req_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass and sampling for every scheduled request."""
+        for req_id in so.finished_req_ids:
+            self.generators.pop(req_id, None)
+        if not so.scheduled:
+            return ModelRunnerOutput({})
+        reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) != 1)  # decodes first
+        input_ids, positions, meta, logits_indices = self._prepare(reqs)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        sampled_reqs = [r for r in reqs if r.sample]
+        if not sampled_reqs:
+            return ModelRunnerOutput({})
+        tokens = sample(
+            logits,
+            [r.sampling_params for r in sampled_reqs],
+            [self._generator(r) for r in sampled_reqs],
+        ).tolist()
+        return ModelRunnerOutput({r.req_id: [t] for r, t in zip(sampled_reqs, tokens)})

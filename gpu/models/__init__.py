@@ -1,0 +1,1 @@
+"""Model definitions that run on the flattened paged batch."""

@@ -1,0 +1,171 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) in plain torch over paged KV.
+
+Module and parameter names match transformers' ``LlamaForCausalLM`` so its state dicts load
+unchanged. The forward pass takes vLLM V1's flattened batch (all scheduled tokens of all
+requests concatenated, ``[T]``) and computes logits only for the tokens that are sampled.
+
+Sources: Touvron et al., "LLaMA" (2023); RoPE from Su et al., "RoFormer" (2021); layout after
+gpt-fast's ``model.py`` and vLLM's ``vllm/model_executor/models/llama.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from gpu.attention import AttentionMetadata, TorchAttentionBackend
+
+
+def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_size // 2]`` and the cos/sin scaling, per the config's RoPE.
+
+    transformers computes scaled variants (llama3, linear, yarn, ...); the default is ours.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None) and rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float(), float(scaling)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    exponent = torch.arange(0, head_size, 2, dtype=torch.float) / head_size
+    return 1.0 / (theta**exponent), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (``rotate_half``) RoPE with a precomputed cos/sin table."""
+
+    def __init__(self, config: PretrainedConfig, head_size: int, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config, head_size)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin: ``[T, 1, D]`` for broadcasting over heads."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[T, H, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_size**-0.5
+        # Qwen2 has q/k/v biases without saying so in attention_bias.
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        h, d = config.hidden_size, self.head_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_size)  # q: [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_size)  # k: [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_size)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.backend.write_kv(k, v, kv_cache, meta)
+        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_size = self.layers[0].self_attn.head_size
+        self.rotary_emb = RotaryEmbedding(config, head_size, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the flattened paged batch.
+
+    Args:
+        config: a transformers Llama/Mistral/Qwen2 config.
+        backend: attention backend (torch on CPU).
+        max_positions: size of the RoPE table (``max_model_len``).
+    """
+
+    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: ``[T]`` int64 → float32 logits ``[len(logits_indices), vocab]``."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.model.norm(x[logits_indices])  # only the rows that are sampled
+        return self.lm_head(x).float()

@@ -1,0 +1,128 @@
+"""Pure-torch reference implementations of the paged-KV kernels.
+
+These are the CPU attention path and the oracle the Triton kernels are tested against.
+Layouts follow vLLM's (``vllm/attention/ops/paged_attn.py``, simplified):
+
+- ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+- A *slot* is ``block_id * block_size + offset``; ``-1`` marks a padded token that is not written.
+- ``block_table``: ``[B, max_blocks_per_seq]`` int32, block ids of each sequence in order
+  (entries past a sequence's last block are ignored).
+
+Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention" (SOSP 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V into the paged cache, in place.
+
+    Args:
+        key, value: ``[T, num_kv_heads, head_size]``, same dtype as the caches.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        slot_mapping: ``[T]`` int64 slot per token; ``-1`` entries are skipped.
+    """
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one sequence, ``[seq_len, num_kv_heads, head_size]``."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    return cache[block_ids[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its whole paged context (decode).
+
+    Args:
+        query: ``[B, num_heads, head_size]``; query ``i`` sits at position ``seq_lens[i] - 1``.
+        block_table: ``[B, max_blocks_per_seq]``; seq_lens: ``[B]`` (context incl. the query).
+        scale: softmax scale, usually ``head_size ** -0.5``.
+
+    Returns:
+        ``[B, num_heads, head_size]`` in the query's dtype (softmax in float32).
+    """
+    num_seqs, num_heads, head_size = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = int(seq_lens.max())
+    max_blocks = -(-max_len // block_size)
+    blocks = block_table[:, :max_blocks].long()
+    # [B, L, Hkv, D]: every sequence padded to the longest; padding masked below.
+    k = key_cache[blocks].flatten(1, 2)[:, :max_len]
+    v = value_cache[blocks].flatten(1, 2)[:, :max_len]
+    group = num_heads // kv_heads
+    q = query.view(num_seqs, kv_heads, group, head_size).float()
+    # scores: [B, Hkv, G, L]
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k.float()) * scale
+    pad = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for variable-length query chunks over paged K/V (prefill).
+
+    Sequence ``i`` has queries ``query[query_start_loc[i]:query_start_loc[i+1]]``; they are its
+    *last* tokens, so a chunk whose earlier context is already cached (a prefix-cache hit or an
+    earlier chunk of a chunked prefill) attends to that context through the block table.
+
+    Args:
+        query: ``[T, num_heads, head_size]``; query_start_loc: ``[B+1]``; seq_lens: ``[B]``.
+
+    Returns:
+        ``[T, num_heads, head_size]`` in the query's dtype.
+    """
+    out = torch.empty_like(query)
+    num_heads, kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q = query[starts[i] : starts[i + 1]]
+        q_len = q.shape[0]
+        k = gather_kv(key_cache, block_table[i], seq_len)
+        v = gather_kv(value_cache, block_table[i], seq_len)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        # Query j sits at position seq_len - q_len + j and sees keys up to it.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+        )
+        out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+    return out

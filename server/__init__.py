@@ -1,0 +1,1 @@
+"""HTTP layer: OpenAI protocol, validation, SSE, admin, CLI. Knows actors, never tensors."""

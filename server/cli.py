@@ -1,0 +1,134 @@
+"""``pagedserve serve [MODEL]``: flags named as ``vllm serve``'s, served by Hypercorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import structlog
+
+from actors.config import SchedulerConfig
+from actors.engine import AsyncEngine, EngineConfig
+from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
+from gpu.loader import ModelLoadError
+
+log = structlog.get_logger("pagedserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "serve", help="serve a model over the OpenAI API",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file, a Hugging Face folder or hub id; none = the embedded "
+                        "SmolLM2-135M-Instruct")
+    s.add_argument("--model", default=None, help="same as the positional MODEL")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=int, default=8000, help="port to bind")
+    s.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: HuggingFaceTB/SmolLM2-135M-"
+                        "Instruct for the embedded model, else the model as given)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    s.add_argument("--seed", type=int, default=0, help="global random seed")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output); default: the model's")
+    s.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
+                   help="tokens per KV block")
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help=f"KV cache budget in bytes (CPU default {DEFAULT_CPU_KV_CACHE_BYTES})")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory to use (CUDA)")
+    s.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="force the number of KV blocks")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="running requests at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step at most (chunked prefill splits longer prompts)")
+    s.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (file path or inline) overriding the tokenizer's")
+    s.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="device; default: CUDA when present")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log level")
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=args.model or args.model_tag, dtype=args.dtype,
+                          max_model_len=args.max_model_len, seed=args.seed, device=args.device),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          num_gpu_blocks_override=args.num_gpu_blocks_override),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None or "{" in value:
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    from server.app import build_app
+    from server.serving import ServingConfig
+
+    engine = await AsyncEngine.start(engine_config(args))
+    served = args.served_model_name or engine.info.served_name
+    app = build_app(engine, ServingConfig(served, _read_template(args.chat_template)))
+    config = Config()
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    config.bind = [f"{host}:{args.port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 5.0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving", url=f"http://{host}:{args.port}/v1", model=served)
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    finally:
+        await engine.shutdown()
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (ModelLoadError, ValueError, OSError) as e:
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

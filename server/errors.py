@@ -1,0 +1,47 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Types follow vLLM's server (``BadRequestError``, ``NotFoundError``, ...), with the HTTP status
+as ``code``.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """Raised anywhere in a handler; turned into an error response with ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
+            "param": param,
+            "code": status,
+        }
+    }
