@@ -94,25 +94,20 @@ def _read_template(value: str | None) -> str | None:
 
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
 
     from server.app import build_app
+    from server.launch import hypercorn_config
     from server.serving import ServingConfig
 
     engine = await AsyncEngine.start(engine_config(args))
     served = args.served_model_name or engine.info.served_name
     app = build_app(engine, ServingConfig(served, _read_template(args.chat_template)))
-    config = Config()
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    config.bind = [f"{host}:{args.port}"]
-    config.accesslog = None
-    config.errorlog = None
-    config.graceful_timeout = 5.0
+    config = hypercorn_config(args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving", url=f"http://{host}:{args.port}/v1", model=served)
+    log.info("serving", url=f"http://{config.bind[0]}/v1", model=served)
     try:
         await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
     finally:

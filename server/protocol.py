@@ -42,6 +42,7 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
+    return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
 
 
 class ChatCompletionRequest(_SamplingBody):

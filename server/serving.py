@@ -112,7 +112,8 @@ class Serving:
         params = self._sampling_params(body, len(prompt_ids), max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.engine.generate(request_id, prompt_ids, params)
-        meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=True)
+        meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=True,
+                     prompt_token_ids=prompt_ids if body.return_token_ids else None)
         if body.stream:
             return EventSourceResponse(_sse(meta, stream), sep="\n")
         return await _until_disconnect(request, _collect(meta, stream))
@@ -124,7 +125,8 @@ class Serving:
         params = self._sampling_params(body, len(prompt_ids), body.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = self.engine.generate(request_id, prompt_ids, params)
-        meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=False)
+        meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=False,
+                     prompt_token_ids=prompt_ids if body.return_token_ids else None)
         if body.stream:
             return EventSourceResponse(_sse(meta, stream), sep="\n")
         return await _until_disconnect(request, _collect(meta, stream))
@@ -136,14 +138,32 @@ class _Meta:
     created: int
     model: str
     chat: bool
+    prompt_token_ids: list[int] | None = None  # set when the client asked for token ids
 
-    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+    def envelope(self, choices: list[dict], chunk: bool, first: bool = True) -> dict:
         if self.chat:
             obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             obj = "text_completion"
-        return {"id": self.request_id, "object": obj, "created": self.created,
+        body = {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.model, "choices": choices}
+        if self.prompt_token_ids is not None and first:
+            body["prompt_token_ids"] = self.prompt_token_ids
+        return body
+
+    def choice(self, index: int, text: str, finish: str | None, token_ids: list[int],
+               chunk: bool) -> dict:
+        if self.chat and chunk:
+            c = {"index": index, "delta": {"content": text} if text else {}}
+        elif self.chat:
+            c = {"index": index, "message": {"role": "assistant", "content": text}}
+        else:
+            c = {"index": index, "text": text}
+        c["logprobs"] = None
+        c["finish_reason"] = finish
+        if self.prompt_token_ids is not None:
+            c["token_ids"] = token_ids
+        return c
 
 
 def _usage(d: GenerationDelta) -> dict:
@@ -157,21 +177,20 @@ async def _sse(meta: _Meta, stream: AsyncIterator[GenerationDelta]) -> AsyncIter
     start = time.monotonic()
     try:
         async with aclosing(stream) as deltas:
+            first = True
             if meta.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}
-                yield json.dumps(meta.envelope([first], chunk=True))
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                yield json.dumps(meta.envelope([role], chunk=True))
+                first = False
+            pending: list[int] = []  # tokens whose text is still held back
             async for d in deltas:
+                pending.extend(d.token_ids)
                 if not d.text and d.finish_reason is None:
                     continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-                if meta.chat:
-                    delta = {"content": d.text} if d.text else {}
-                    choice = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": d.finish_reason}
-                else:
-                    choice = {"index": 0, "text": d.text, "logprobs": None,
-                              "finish_reason": d.finish_reason}
-                yield json.dumps(meta.envelope([choice], chunk=True))
+                choice = meta.choice(0, d.text, d.finish_reason, pending, chunk=True)
+                yield json.dumps(meta.envelope([choice], chunk=True, first=first))
+                first, pending = False, []
                 if d.finish_reason is not None:
                     _log_done(meta, d, start)
     except EngineError as e:
@@ -182,21 +201,18 @@ async def _sse(meta: _Meta, stream: AsyncIterator[GenerationDelta]) -> AsyncIter
 async def _collect(meta: _Meta, stream: AsyncIterator[GenerationDelta]) -> JSONResponse:
     start = time.monotonic()
     parts: list[str] = []
+    token_ids: list[int] = []
     last: GenerationDelta | None = None
     try:
         async with aclosing(stream) as deltas:
             async for d in deltas:
                 parts.append(d.text)
+                token_ids.extend(d.token_ids)
                 last = d
     except EngineError as e:
         raise OpenAIError(str(e), status=500) from e
     assert last is not None  # the engine always ends a request with a finish_reason
-    text = "".join(parts)
-    if meta.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": last.finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+    choice = meta.choice(0, "".join(parts), last.finish_reason, token_ids, chunk=False)
     body = meta.envelope([choice], chunk=False)
     body["usage"] = _usage(last)
     _log_done(meta, last, start)

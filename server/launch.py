@@ -1,0 +1,62 @@
+"""Serve the app with Hypercorn: the CLI's path, and an in-process one for tests and tools."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+
+from actors.engine import AsyncEngine
+from server.app import build_app
+from server.serving import ServingConfig
+
+
+def hypercorn_config(host: str, port: int) -> Config:
+    config = Config()
+    bind_host = f"[{host}]" if ":" in host else host
+    config.bind = [f"{bind_host}:{port}"]
+    config.accesslog = None  # we log each request ourselves, with its token counts
+    config.errorlog = None
+    config.graceful_timeout = 5.0
+    return config
+
+
+@asynccontextmanager
+async def running_server(
+    engine: AsyncEngine, serving: ServingConfig, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[str]:
+    """Serve ``engine`` on ``host:port`` inside the running loop; yields the base URL.
+
+    ``port=0`` picks a free port.
+    """
+    if port == 0:
+        port = free_port(host)
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        serve(build_app(engine, serving), hypercorn_config(host, port), shutdown_trigger=stop.wait)
+    )
+    try:
+        for _ in range(500):
+            try:
+                _, writer = await asyncio.open_connection(host, port)
+                writer.close()
+                break
+            except OSError:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+        yield f"http://{host}:{port}"
+    finally:
+        stop.set()
+        await task
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

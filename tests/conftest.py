@@ -1,0 +1,139 @@
+"""Shared fixtures: the real default model, a tiny random Llama with the real tokenizer, the
+transformers oracle, and a real Hypercorn server on a loopback port."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+
+from actors.config import SchedulerConfig
+from actors.engine import AsyncEngine, EngineConfig
+from gpu import loader
+from gpu.config import CacheConfig, ModelConfig
+from server.launch import running_server
+from server.serving import ServingConfig
+
+TINY_NAME = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once and cached (as the server does)."""
+    return loader.resolve_model(None).path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(1234)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        initializer_range=0.1,  # spread logits so greedy argmax has no near-ties
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
+    return path
+
+
+@lru_cache(maxsize=4)
+def _hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@lru_cache(maxsize=4)
+def hf_tokenizer(path: str):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' greedy ``generate`` in float32 (stops after EOS, included)."""
+    model = _hf_model(str(path))
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def chat_prompt_ids(path: Path, content: str) -> list[int]:
+    tok = hf_tokenizer(str(path))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    return tok.encode(text, add_special_tokens=False)
+
+
+def engine_config(model_dir: Path, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(model_dir), max_model_len=kw.pop("max_model_len", 512)),
+        cache=CacheConfig(
+            num_gpu_blocks_override=kw.pop("num_blocks", 256),
+            block_size=kw.pop("block_size", 16),
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=kw.pop("max_num_seqs", 64),
+            max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
+        ),
+    )
+
+
+@asynccontextmanager
+async def serve(model_dir: Path, name: str = TINY_NAME, **kw) -> AsyncIterator[httpx.AsyncClient]:
+    """Start an engine and a real Hypercorn server on a free loopback port; yield a client."""
+    engine = await AsyncEngine.start(engine_config(model_dir, **kw))
+    try:
+        async with running_server(engine, ServingConfig(name)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                yield client
+    finally:
+        await engine.shutdown()
+
+
+async def chat(client: httpx.AsyncClient, content: str, **body) -> dict:
+    body.setdefault("temperature", 0)
+    body.setdefault("return_token_ids", True)
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], **body}
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def stream_chat(client: httpx.AsyncClient, content: str, **body) -> tuple[str, list, list]:
+    """Returns (text, token_ids, chunks) of a streamed chat completion."""
+    body.setdefault("temperature", 0)
+    body.setdefault("return_token_ids", True)
+    payload = {"messages": [{"role": "user", "content": content}], "stream": True, **body}
+    chunks: list = []
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                chunks.append(data if data == "[DONE]" else json.loads(data))
+    assert chunks[-1] == "[DONE]"
+    body_chunks = chunks[:-1]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in body_chunks)
+    tokens = [t for c in body_chunks for t in c["choices"][0].get("token_ids", [])]
+    return text, tokens, body_chunks
+
+
+async def stats(client: httpx.AsyncClient) -> dict:
+    r = await client.get("/admin/stats")
+    assert r.status_code == 200
+    return r.json()

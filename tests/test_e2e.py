@@ -1,0 +1,139 @@
+"""End to end: a real ``pagedserve serve`` process on the embedded default model, queried with
+the official ``openai`` client and with raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server.launch import free_port
+from tests.conftest import chat_prompt_ids, hf_greedy
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [PAGEDSERVE, "serve", "--port", str(port), "--max-model-len", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def test_capital_of_france(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+    )
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 8  # 7 tokens of text and <|im_end|>
+
+
+@pytest.mark.parametrize("prompt", [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to cook.",
+])
+def test_greedy_parity_with_transformers(server, default_model_dir, prompt):
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0, "max_tokens": 40, "return_token_ids": True})
+    ids = chat_prompt_ids(default_model_dir, prompt)
+    assert r.json()["choices"][0]["token_ids"] == hf_greedy(default_model_dir, ids, 40)
+
+
+def test_openai_streaming_equals_non_streaming(client):
+    messages = [{"role": "user", "content": "Name two planets and say why they are interesting."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_tokens=48)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=48, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert len(chunks) > 10  # really streamed, token by token
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_openai_completions_and_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=5, temperature=0)
+    assert r.choices[0].text.strip().startswith("Paris")
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert "gpt-4" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_raw_sse_format(server):
+    lines = []
+    with httpx.stream("POST", f"{server}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}],
+            "stream": True, "max_tokens": 8, "temperature": 0}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0][6:])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = json.loads(lines[-2][6:])
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_unreachable_hub_model_is_a_one_line_error(tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path)}  # an empty cache; no internet here
+    r = subprocess.run([PAGEDSERVE, "serve", "no-such-org/no-such-model"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("pagedserve: error: model 'no-such-org/no-such-model' is not in "
+                              "the local Hugging Face cache")
+    assert "Traceback" not in r.stderr
+
+
+def test_help_lists_flags_with_defaults():
+    out = subprocess.run([PAGEDSERVE, "serve", "--help"], capture_output=True, text=True).stdout
+    for flag in ["--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+                 "--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--dtype",
+                 "--served-model-name", "--seed", "--host", "--port", "--chat-template"]:
+        assert flag in out
+    assert "(default: 8000)" in out and "(default: 16)" in out
