@@ -19,6 +19,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Prefix-cache counters, in tokens (filled once prefix caching lands).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -47,6 +50,11 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a prefix-cache hash (in use or evictable)."""
+        return sum(1 for b in self.block_pool.blocks if b.block_hash is not None)
 
     @property
     def usage(self) -> float:
