@@ -21,7 +21,7 @@ from actors.config import SchedulerConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import Executor
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, GetStats
+from actors.messages import AbortRequest, AddRequest, GetStats, ResetPrefixCache
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
 from gpu import loader
@@ -93,7 +93,10 @@ class AsyncEngine:
                 f"max_model_len={info.max_model_len}: raise --kv-cache-memory-bytes / "
                 f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
             )
-        kv = KVCacheManager(info.num_blocks, info.block_size)
+        kv = KVCacheManager(
+            info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
+            config.cache.prefix_caching_hash_algo,
+        )
         scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len)
         executor.start()
         scheduler.start()
@@ -112,15 +115,21 @@ class AsyncEngine:
         return cls(config, info, tokenizer, scheduler, executor)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Run one request, yielding text deltas until it finishes.
+
+        Args:
+            priority: lower runs earlier under the ``priority`` scheduling policy.
+            cache_salt: isolates the request's prefix-cache blocks from other salts.
 
         Raises:
             EngineError: the request failed inside the engine.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos)
+        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
+                          priority=priority, cache_salt=cache_salt)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self.scheduler.send(AddRequest(request))
         num_output = 0
@@ -153,6 +162,12 @@ class AsyncEngine:
                           "max_model_len": self.info.max_model_len}
         stats["time"] = time.time()
         return stats
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds; returns how many."""
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(ResetPrefixCache(reply))
+        return await reply
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()
