@@ -12,9 +12,11 @@ from gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 @dataclass(slots=True)
 class AddRequest:
-    """Request task → scheduler: queue a new request."""
+    """Request task → scheduler: queue a new request. ``accepted`` resolves once it is queued,
+    or fails with ``EngineOverloaded`` / ``DuplicateRequestId``."""
 
     request: Request
+    accepted: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
@@ -23,6 +25,13 @@ class AbortRequest:
     request's blocks before the next step."""
 
     request_id: str
+
+
+@dataclass(slots=True)
+class AbortAll:
+    """Shutdown → scheduler: end every request (their streams report ``reason``)."""
+
+    reason: str
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
 
 
 @dataclass(slots=True, eq=False)

@@ -22,8 +22,16 @@ import structlog
 
 from actors.actor import Actor
 from actors.config import SchedulerConfig
+from actors.errors import DuplicateRequestId, EngineOverloaded
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, ExecuteModel, GetStats, ResetPrefixCache
+from actors.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    ExecuteModel,
+    GetStats,
+    ResetPrefixCache,
+)
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from actors.request_queue import make_request_queue
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -64,15 +72,36 @@ class Scheduler(Actor):
             if not so.scheduled:  # nothing fits now; wait for an abort or a new request
                 self._handle(await self.mailbox.get())
                 continue
-            reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-            self.executor.send(ExecuteModel(so, reply))
             try:
-                out = await reply
-            except Exception as e:  # a failed step fails its requests, not the server
+                out = await self._execute(so)
+            except Exception:
                 log.exception("step_failed", num_reqs=len(so.scheduled))
-                self._fail(so, f"{type(e).__name__}: {e}")
-                continue
+                out = await self._execute_isolated(so)
             self.update_from_output(so, out)
+
+    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+        self.executor.send(ExecuteModel(so, reply))
+        return await reply
+
+    async def _execute_isolated(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """After a failed step, rerun each request alone: only the one that fails by itself is
+        failed (K/V writes are idempotent, so rerunning a request's slice is safe)."""
+        merged = ModelRunnerOutput({}, {})
+        for sr in so.scheduled:
+            try:
+                out = await self._execute(SchedulerOutput([sr]))
+            except Exception as e:
+                log.exception("request_failed", request_id=sr.req_id)
+                request = self.requests.get(sr.req_id)
+                if request is not None:
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    request.output_queue.put_nowait(
+                        RequestOutput([], "error", f"{type(e).__name__}: {e}"))
+                continue
+            merged.sampled_token_ids.update(out.sampled_token_ids)
+            merged.logprobs.update(out.logprobs)
+        return merged
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,9 +112,13 @@ class Scheduler(Actor):
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):
-            self.add_request(msg.request)
+            self._on_add(msg)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.request_id)
+        elif isinstance(msg, AbortAll):
+            for request in list(self.requests.values()):
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
@@ -97,12 +130,26 @@ class Scheduler(Actor):
 
     # -- requests in and out ----------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def _on_add(self, msg: AddRequest) -> None:
+        request, accepted = msg.request, msg.accepted
+        error: Exception | None = None
+        limit = self.config.max_waiting_requests
         if request.request_id in self.requests:
-            request.output_queue.put_nowait(
-                RequestOutput([], "error", f"duplicate request id {request.request_id!r}")
-            )
+            error = DuplicateRequestId(f"a request with id {request.request_id!r} is running")
+        elif limit is not None and len(self.waiting) >= limit:
+            error = EngineOverloaded(f"server overloaded: {len(self.waiting)} requests waiting")
+        if accepted is not None and accepted.done():  # the request task was cancelled
             return
+        if error is None:
+            self.add_request(request)
+        if accepted is not None and error is not None:
+            accepted.set_exception(error)
+        elif accepted is not None:
+            accepted.set_result(None)
+        elif error is not None:
+            request.output_queue.put_nowait(RequestOutput([], "error", str(error)))
+
+    def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.kv.update_block_hashes(request)
         self.waiting.add(request)
@@ -173,7 +220,10 @@ class Scheduler(Actor):
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, n))
+            sr = self._scheduled(request, n)
+            if num_hit_tokens:  # the runner never saw the cached prefix's tokens
+                sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
+            scheduled.append(sr)
             budget -= n
         so = SchedulerOutput(scheduled, self.finished_req_ids)
         self.finished_req_ids = set()
@@ -206,6 +256,7 @@ class Scheduler(Actor):
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             sample=start + n == request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
@@ -227,25 +278,22 @@ class Scheduler(Actor):
             status = self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
-            request.output_queue.put_nowait(RequestOutput(new, FINISH_REASONS.get(status)))
+            request.output_queue.put_nowait(RequestOutput(
+                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+        if len(request.output_token_ids) >= params.min_tokens and (
+            (not params.ignore_eos and last in request.eos_token_ids)
+            or last in params.stop_token_ids
+        ):
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _fail(self, so: SchedulerOutput, error: str) -> None:
-        for sr in so.scheduled:
-            request = self.requests.get(sr.req_id)
-            if request is not None:
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                request.output_queue.put_nowait(RequestOutput([], "error", error))
 
     # -- stats ------------------------------------------------------------------------------
 

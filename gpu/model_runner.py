@@ -17,7 +17,7 @@ from gpu.attention import AttentionMetadata, TorchAttentionBackend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
 from gpu.models.llama import LlamaForCausalLM
-from gpu.sampler import sample
+from gpu.sampler import SampleRow, sample
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +46,7 @@ class ModelInfo:
     device: str
     eos_token_ids: list[int]
     load_seconds: float
+    vocab_size: int
 
 
 class ModelRunner:
@@ -56,6 +57,8 @@ class ModelRunner:
         self.model_config = model_config
         self.cache_config = cache_config
         self.generators: dict[str, torch.Generator] = {}
+        # Every token of each live request, as computed so far (penalties read them).
+        self.token_ids: dict[str, list[int]] = {}
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -87,6 +90,7 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        self.eos_token_ids = self._eos_token_ids(resolved.path)
         return ModelInfo(
             served_name=resolved.default_served_name,
             path=str(resolved.path),
@@ -95,8 +99,9 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            eos_token_ids=self._eos_token_ids(resolved.path),
+            eos_token_ids=self.eos_token_ids,
             load_seconds=time.perf_counter() - start,
+            vocab_size=self.hf_config.vocab_size,
         )
 
     def _eos_token_ids(self, path) -> list[int]:
@@ -166,17 +171,35 @@ class ModelRunner:
         """One forward pass and sampling for every scheduled request."""
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+            self.token_ids.pop(req_id, None)
         if not so.scheduled:
             return ModelRunnerOutput({})
+        for r in so.scheduled:
+            known = self.token_ids.setdefault(r.req_id, [])
+            if r.prefix_token_ids is not None:
+                known[:] = r.prefix_token_ids
+            del known[r.num_computed_tokens :]  # recompute after preemption rewrites the tail
+            known.extend(r.token_ids)
         reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) != 1)  # decodes first
         input_ids, positions, meta, logits_indices = self._prepare(reqs)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
-        tokens = sample(
-            logits,
-            [r.sampling_params for r in sampled_reqs],
-            [self._generator(r) for r in sampled_reqs],
-        ).tolist()
-        return ModelRunnerOutput({r.req_id: [t] for r, t in zip(sampled_reqs, tokens)})
+        out = sample(logits, [self._row(r) for r in sampled_reqs])
+        return ModelRunnerOutput(
+            {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
+            {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
+        )
+
+    def _row(self, r: ScheduledRequest) -> SampleRow:
+        p = r.sampling_params
+        # Slicing the history costs a copy per step: only for rows that read it.
+        tokens = self.token_ids[r.req_id] if p.needs_history or p.min_tokens else []
+        return SampleRow(
+            params=p, generator=self._generator(r),
+            prompt_ids=tokens[: r.num_prompt_tokens],
+            output_ids=tokens[r.num_prompt_tokens :],
+            stop_ids=[*self.eos_token_ids, *p.stop_token_ids] if not p.ignore_eos
+            else list(p.stop_token_ids),
+        )
