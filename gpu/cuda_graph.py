@@ -54,7 +54,7 @@ class DecodeBatch:
         return self.step[0, :b], self.step[1, :b], meta, self.logits_indices[:b]
 
     def update(self, reqs: list[ScheduledRequest], padded: int, block_size: int) -> None:
-        """Copy this step's decodes into rows ``0..len(reqs)``; rows up to ``padded`` are padding."""
+        """Copy this step's decodes into the first rows; the rows up to ``padded`` pad."""
         host = torch.empty(4, padded, dtype=torch.int64)
         rows = []
         for r in reqs:

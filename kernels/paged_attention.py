@@ -8,7 +8,7 @@ sequence (at position ``seq_lens[i] - 1``) against that sequence's K/V, read thr
 One program handles one (sequence, KV head) and all the query heads that share it (GQA), so each
 K/V element is read once per sequence. It walks the context in tiles of ``TILE_N`` tokens; each
 token's block id comes from the block table, so any block size works and blocks may be
-scattered. Softmax is online (running max ``m``, running sum ``l``), in float32, in base 2.
+scattered. Softmax is online (running max ``m``, running sum ``l_sum``), in float32, in base 2.
 
 Split-KV ("flash-decoding", Dao et al. 2023): when the batch is too small to fill the GPU
 (``batch * num_kv_heads`` programs fewer than the SMs), each sequence's context is cut into
@@ -61,13 +61,14 @@ def _decode_kernel(
     ).to(tl.float32) * qk_scale  # q: [G, D]
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         n_mask = pos < end
         block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_off = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_off = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+                  + kv_head * stride_kh)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # s: [G, N]
@@ -77,11 +78,11 @@ def _decode_kernel(
         alpha = tl.math.exp2(m - m_new)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        l = l * alpha + tl.sum(p, axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
 
-    has_tokens = l > 0  # false for an empty split (or a padded sequence of length 0)
-    o = acc / tl.where(has_tokens, l, 1.0)[:, None]
+    has_tokens = l_sum > 0  # false for an empty split (or a padded sequence of length 0)
+    o = acc / tl.where(has_tokens, l_sum, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(
@@ -92,7 +93,8 @@ def _decode_kernel(
         # part_out: [B, H, S, HEAD_SIZE] float32; part_lse: [B, H, S] float32, base 2.
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], o, mask=o_mask)
-        lse = tl.where(has_tokens, m + tl.math.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
+        log_sum = tl.math.log2(tl.where(has_tokens, l_sum, 1.0))
+        lse = tl.where(has_tokens, m + log_sum, float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 

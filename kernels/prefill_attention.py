@@ -63,7 +63,8 @@ def _prefill_kernel(
         pos = tile_start + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_off = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_off = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+                  + kv_head * stride_kh)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:

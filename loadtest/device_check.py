@@ -160,7 +160,8 @@ def run_kernel_case(c: dict, device, dtype, bw_gbs: float) -> dict:
         err = (out.float() - want.float()).abs().max().item()
         nbytes = 2 * b * ctx * h * d * item + 2 * b * hq * d * item + table.numel() * 4 + b * 4
     else:
-        b, ql, ctx, hq, h, d = c["batch"], c["q_len"], c["ctx"], c["heads"], c["kv_heads"], c["head"]
+        b, ql, ctx = c["batch"], c["q_len"], c["ctx"]
+        hq, h, d = c["heads"], c["kv_heads"], c["head"]
         kc, vc, table, lens = paged_inputs(b, ctx, hq, h, d, bs, dtype, device)
         q = torch.randn(b * ql, hq, d, dtype=dtype, device=device)
         qsl = torch.arange(0, b * ql + 1, ql, dtype=torch.int32, device=device)

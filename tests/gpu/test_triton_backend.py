@@ -60,7 +60,7 @@ def test_mixed_step_matches_torch_backend():
     kc = torch.randn(16, block_size, kv_heads, head_size, generator=g)
     vc = torch.randn(16, block_size, kv_heads, head_size, generator=g)
     slots = []
-    for i, (s, n) in enumerate(zip(seq_lens, q_lens)):
+    for i, (s, n) in enumerate(zip(seq_lens, q_lens, strict=True)):
         slots += [int(table[i, p // block_size]) * block_size + p % block_size
                   for p in range(s - n, s)]
     t = sum(q_lens)

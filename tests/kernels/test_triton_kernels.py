@@ -40,7 +40,7 @@ class Paged:
         self.vc = torch.full(shape, float("nan"), dtype=dtype)
         poison_block = perm.pop()  # table padding points here: all NaN for the kernel
         table = torch.full((len(seq_lens), max_blocks), poison_block, dtype=torch.int32)
-        for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
             table[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
             k = torch.randn(s, kv_heads, head_size, generator=g).to(dtype)
             v = torch.randn(s, kv_heads, head_size, generator=g).to(dtype)
