@@ -150,7 +150,10 @@ class AsyncEngine:
             loader.ModelLoadError: the model cannot be found or read.
             ValueError: settings that cannot work (e.g. ``max_model_len`` beyond the KV cache).
         """
-        executor = Executor(ModelRunner(config.model, config.cache))
+        executor = Executor(ModelRunner(
+            config.model, config.cache, config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+        ))
         info = await executor.load()
         tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)
         capacity = info.num_blocks * info.block_size

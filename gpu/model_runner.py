@@ -13,11 +13,13 @@ import structlog
 import torch
 
 from gpu import kv_cache, loader
-from gpu.attention import AttentionMetadata, TorchAttentionBackend
+from gpu.attention import AttentionMetadata, get_attention_backend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
+from gpu.cuda_graph import CudaGraphRunner
 from gpu.models.llama import LlamaForCausalLM
 from gpu.sampler import SampleRow, sample
+from gpu.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -47,18 +49,27 @@ class ModelInfo:
     eos_token_ids: list[int]
     load_seconds: float
     vocab_size: int
+    attention_backend: str = "torch"
 
 
 class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request RNGs. Not thread-safe: the
     executor actor calls it from its one worker thread."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig):
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig,
+        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+    ):
+        """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
+        step, which the CUDA path profiles (KV sizing) and captures (decode graphs)."""
         self.model_config = model_config
         self.cache_config = cache_config
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.generators: dict[str, torch.Generator] = {}
         # Every token of each live request, as computed so far (penalties read them).
         self.token_ids: dict[str, list[int]] = {}
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -71,8 +82,9 @@ class ModelRunner:
         self.hf_config = loader.load_config(resolved.path)
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
+        self.attn_backend = get_attention_backend(self.device)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, TorchAttentionBackend(), self.max_model_len)
+            model = LlamaForCausalLM(self.hf_config, self.attn_backend, self.max_model_len)
         model = model.to_empty(device=self.device).to(self.dtype)
         # Buffers (RoPE tables) were on meta: rebuild them for real, in float32.
         model.model.rotary_emb = type(model.model.rotary_emb)(
@@ -84,13 +96,20 @@ class ModelRunner:
         self.model = model.eval()
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.block_size = cc.block_size
+        activation_bytes = None
+        if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
+            activation_bytes = self._profile_activation_bytes()
         self.num_blocks = kv_cache.num_blocks_for(
-            self.hf_config, cc, self.dtype, self.device, model_bytes
+            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
         self.eos_token_ids = self._eos_token_ids(resolved.path)
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self._capture_cuda_graphs()
+        log.info("attention_backend", name=self.attn_backend.name,
+                 cuda_graphs=self.cuda_graphs is not None)
         return ModelInfo(
             served_name=resolved.default_served_name,
             path=str(resolved.path),
@@ -102,7 +121,59 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             load_seconds=time.perf_counter() - start,
             vocab_size=self.hf_config.vocab_size,
+            attention_backend=self.attn_backend.name,
         )
+
+    def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:
+        """``num_seqs`` prompts sharing ``num_tokens`` tokens, on consecutive blocks from 0."""
+        reqs, next_block = [], 0
+        for i in range(num_seqs):
+            n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
+            nb = -(-n // self.block_size)
+            reqs.append(ScheduledRequest(
+                req_id=f"profile-{i}", token_ids=[0] * n, num_computed_tokens=0,
+                block_ids=list(range(next_block, next_block + nb)),
+                sampling_params=SamplingParams(temperature=0.0), sample=True,
+            ))
+            next_block += nb
+        return reqs
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of the largest step beyond what is allocated (CUDA): one forward pass of
+        ``max_num_batched_tokens`` tokens over ``max_num_seqs`` prompts, sampled, with a scratch
+        KV cache just big enough for it (vLLM's ``profile_run``)."""
+        num_tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        num_seqs = max(1, min(self.max_num_seqs, num_tokens))
+        reqs = self._dummy_requests(num_tokens, num_seqs)
+        scratch = kv_cache.allocate_kv_caches(
+            self.hf_config, reqs[-1].block_ids[-1] + 1, self.block_size, self.dtype, self.device
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        input_ids, positions, meta, logits_indices = self._prepare(reqs)
+        logits = self.model(input_ids, positions, scratch, meta, logits_indices)
+        sample(logits, [SampleRow(r.sampling_params, None, [], [], []) for r in reqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, logits
+        torch.cuda.empty_cache()
+        log.info("profiled_step", num_tokens=num_tokens, num_seqs=num_seqs,
+                 activation_mib=round(peak / 2**20, 1))
+        return peak
+
+    def _capture_cuda_graphs(self) -> None:
+        if self.attn_backend.name != "triton":
+            log.warning("cuda_graphs_off", reason="only the triton attention backend is captured")
+            return
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        start = time.perf_counter()
+        self.cuda_graphs = CudaGraphRunner(
+            self.model, self.kv_caches, self.max_num_seqs, max_blocks_per_seq, self.block_size,
+            self.device,
+        )
+        log.info("cuda_graphs_ready", seconds=round(time.perf_counter() - start, 2))
 
     def _eos_token_ids(self, path) -> list[int]:
         """EOS ids from the generation config (may list several), else the model config."""
@@ -148,6 +219,8 @@ class ModelRunner:
             block_table=torch.tensor(table, dtype=torch.int32, device=dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
+            max_query_len=max(len(r.token_ids) for r in reqs),
+            max_seq_len=max(seq_lens),
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -181,8 +254,13 @@ class ModelRunner:
             del known[r.num_computed_tokens :]  # recompute after preemption rewrites the tail
             known.extend(r.token_ids)
         reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) != 1)  # decodes first
-        input_ids, positions, meta, logits_indices = self._prepare(reqs)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
+            logits = self.cuda_graphs.run(reqs)
+        else:
+            if self.cuda_graphs is not None:
+                self.cuda_graphs.batch.invalidate()
+            input_ids, positions, meta, logits_indices = self._prepare(reqs)
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template (file path or inline) overriding the tokenizer's")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="device; default: CUDA when present")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly, no CUDA graphs for decode steps")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level")
     return parser
@@ -103,7 +105,8 @@ def configure_logging(level: str) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model or args.model_tag, dtype=args.dtype,
-                          max_model_len=args.max_model_len, seed=args.seed, device=args.device),
+                          max_model_len=args.max_model_len, seed=args.seed, device=args.device,
+                          enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -20,6 +20,7 @@ from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from server.launch import running_server
 from server.serving import ServingConfig
+from tests import triton_interpreter  # noqa: F401  (TRITON_INTERPRET before triton loads)
 
 TINY_NAME = "tiny-llama"
 
