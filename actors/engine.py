@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
@@ -24,6 +24,7 @@ from actors.kv_cache_manager import KVCacheManager
 from actors.messages import AbortRequest, AddRequest, GetStats
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
+from actors.stats import RequestUpdate, StatLogger
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelInfo, ModelRunner
@@ -66,7 +67,7 @@ class AsyncEngine:
 
     def __init__(
         self, config: EngineConfig, info: ModelInfo, tokenizer: PreTrainedTokenizerBase,
-        scheduler: Scheduler, executor: Executor,
+        scheduler: Scheduler, executor: Executor, stat_loggers: list[StatLogger],
     ):
         self.config = config
         self.info = info
@@ -74,6 +75,7 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.executor = executor
         self._eos = frozenset(info.eos_token_ids)
+        self.stat_loggers = stat_loggers  # shared with the scheduler; see add_stat_logger
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -94,7 +96,8 @@ class AsyncEngine:
                 f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
             )
         kv = KVCacheManager(info.num_blocks, info.block_size)
-        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len)
+        stat_loggers: list[StatLogger] = []
+        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers)
         executor.start()
         scheduler.start()
         log.info(
@@ -109,7 +112,12 @@ class AsyncEngine:
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
             load_seconds=round(info.load_seconds, 2),
         )
-        return cls(config, info, tokenizer, scheduler, executor)
+        return cls(config, info, tokenizer, scheduler, executor, stat_loggers)
+
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        """Have ``logger`` see every step (from the scheduler) and every request update (from
+        the request tasks). Meant for start-up, before requests arrive."""
+        self.stat_loggers.append(logger)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -125,15 +133,20 @@ class AsyncEngine:
         self.scheduler.send(AddRequest(request))
         num_output = 0
         ended_in_engine = False
+        finish: str | None = None
+        last_token_time: float | None = None
         try:
             while True:
                 out = await queue.get()
                 ended_in_engine = out.finish_reason is not None
                 if out.finish_reason in ("error", "abort"):
+                    finish = "error"
                     raise EngineError(out.error or f"request {out.finish_reason}")
                 num_output += len(out.new_token_ids)
                 text = detok.update(out.new_token_ids, final=ended_in_engine)
                 finish = detok.stop_reason or out.finish_reason
+                if out.new_token_ids and self.stat_loggers:
+                    last_token_time = self._record_tokens(request, out, last_token_time)
                 yield GenerationDelta(
                     text, out.new_token_ids, finish, len(prompt_token_ids), num_output
                 )
@@ -142,6 +155,27 @@ class AsyncEngine:
         finally:
             if not ended_in_engine:
                 self.scheduler.send(AbortRequest(request_id))
+            if self.stat_loggers:  # no finish reason here means the client went away
+                self._record(RequestUpdate(finish_reason=finish or "abort",
+                                           e2e_s=time.monotonic() - request.arrival_time))
+
+    def _record_tokens(
+        self, request: Request, out: RequestOutput, last_token_time: float | None
+    ) -> float:
+        """Report an output's tokens with TTFT (first) or the inter-token latency (later);
+        returns the time of these tokens."""
+        now = time.monotonic()
+        if last_token_time is None:
+            update = RequestUpdate(request.num_prompt_tokens, len(out.new_token_ids),
+                                   ttft_s=now - request.arrival_time)
+        else:
+            update = RequestUpdate(0, len(out.new_token_ids), itl_s=now - last_token_time)
+        self._record(update)
+        return now
+
+    def _record(self, update: RequestUpdate) -> None:
+        for logger in self.stat_loggers:
+            logger.record_request(update)
 
     async def get_stats(self) -> dict[str, Any]:
         """A snapshot from the scheduler actor, asked by message."""
@@ -151,8 +185,18 @@ class AsyncEngine:
         stats["model"] = {"name": self.info.served_name, "path": self.info.path,
                           "dtype": self.info.dtype, "device": self.info.device,
                           "max_model_len": self.info.max_model_len}
+        stats["config"] = self.effective_config()
         stats["time"] = time.time()
         return stats
+
+    def effective_config(self) -> dict[str, Any]:
+        """The settings in force: the flags as given, with what loading resolved (``auto``
+        dtype, default ``max_model_len``, the KV pool's size) filled in."""
+        config = asdict(self.config)
+        config["model"].update(dtype=self.info.dtype, device=self.info.device,
+                               max_model_len=self.info.max_model_len)
+        config["cache"]["num_blocks"] = self.info.num_blocks
+        return config
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

@@ -66,6 +66,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first time it was in a step (for queue time)
 
     @property
     def all_token_ids(self) -> list[int]:
