@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from actors.engine import AsyncEngine
+from server.admin import admin_routes
 from server.errors import OpenAIError, error_body
 from server.serving import Serving, ServingConfig
 
@@ -31,9 +32,6 @@ def build_app(engine: AsyncEngine, config: ServingConfig) -> Starlette:
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
-    async def admin_stats(request: Request) -> JSONResponse:
-        return JSONResponse(await engine.get_stats())
-
     async def on_openai_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, OpenAIError)
         return exc.response()
@@ -51,7 +49,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig) -> Starlette:
         Route("/v1/completions", serving.completion, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/admin/stats", admin_stats, methods=["GET"]),
+        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key),
     ]
     return Starlette(
         routes=routes,

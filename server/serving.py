@@ -33,6 +33,8 @@ log = structlog.get_logger(__name__)
 class ServingConfig:
     served_model_name: str
     chat_template: str | None = None
+    api_key: str | None = None  # the admin routes fall back to it when no admin key is set
+    admin_key: str | None = None  # guards /admin/stats, /admin/events and /metrics
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
