@@ -137,3 +137,17 @@ async def stats(client: httpx.AsyncClient) -> dict:
     r = await client.get("/admin/stats")
     assert r.status_code == 200
     return r.json()
+
+
+@asynccontextmanager
+async def serve_config(
+    model_dir: Path, serving: ServingConfig, **kw
+) -> AsyncIterator[httpx.AsyncClient]:
+    """``serve`` with a chosen ``ServingConfig`` (keys, template)."""
+    engine = await AsyncEngine.start(engine_config(model_dir, **kw))
+    try:
+        async with running_server(engine, serving) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                yield client
+    finally:
+        await engine.shutdown()
