@@ -48,11 +48,16 @@ def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
     engine.add_stat_logger(metrics)
     guard = _bearer_guard(admin_key or api_key)
 
+    async def snapshot() -> dict[str, Any]:
+        snap = await engine.get_stats()
+        snap["model"]["name"] = model_name  # what clients send as `model`
+        return snap
+
     async def stats(request: Request) -> Response:
-        return JSONResponse(await engine.get_stats())
+        return JSONResponse(await snapshot())
 
     async def events(request: Request) -> Response:
-        return EventSourceResponse(_snapshots(engine), ping=15, sep="\n")
+        return EventSourceResponse(_snapshots(snapshot), ping=15, sep="\n")
 
     async def prometheus(request: Request) -> Response:
         body = metrics.render(await engine.get_stats())
@@ -106,13 +111,15 @@ def _changed(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
             or a["kv_cache"]["num_free_blocks"] != b["kv_cache"]["num_free_blocks"])
 
 
-async def _snapshots(engine: AsyncEngine) -> AsyncIterator[dict[str, str]]:
+async def _snapshots(
+    snapshot: Callable[[], Awaitable[dict[str, Any]]],
+) -> AsyncIterator[dict[str, str]]:
     """Stats snapshots as SSE events: on change (checked every ``EVENTS_POLL_S``) and at least
     every ``EVENTS_MAX_INTERVAL_S``. Ends when the client goes away (sse-starlette cancels)."""
     last: dict[str, Any] | None = None
     last_sent = 0.0
     while True:
-        snap = await engine.get_stats()
+        snap = await snapshot()
         now = time.monotonic()
         if _changed(last, snap) or now - last_sent >= EVENTS_MAX_INTERVAL_S:
             yield {"event": "stats", "data": json.dumps(snap)}

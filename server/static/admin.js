@@ -14,7 +14,7 @@ const charts = {
     { windowS: WINDOW_S, unit: "%", fixedMax: 100 }),
   tps: new TimeChart($("chart-tps"), [{ name: "prompt" }, { name: "generation" }],
     { windowS: WINDOW_S }),
-  step: new TimeChart($("chart-step"), [{ name: "ms", color: "#9333ea" }],
+  step: new TimeChart($("chart-step"), [{ name: "step", color: "#9333ea" }],
     { windowS: WINDOW_S, unit: "ms" }),
 };
 

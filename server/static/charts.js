@@ -6,7 +6,7 @@ const COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea"];
 function niceMax(v) {
   if (!(v > 0)) return 1;
   const p = 10 ** Math.floor(Math.log10(v));
-  for (const m of [1, 2, 2.5, 5, 10]) if (v <= m * p) return m * p;
+  for (const m of [1, 2, 4, 6, 8, 10]) if (v <= m * p) return m * p; // quarters stay round
   return 10 * p;
 }
 
@@ -79,11 +79,12 @@ export class TimeChart {
       g.moveTo(left, yy);
       g.lineTo(left + pw, yy);
       g.stroke();
-      g.fillText(fmt(v) + (k === 4 ? this.unit : ""), left - 4, yy);
+      g.fillText(fmt(v), left - 4, yy);
     }
     g.textAlign = "center";
     g.textBaseline = "top";
     for (let s = 0; s <= this.windowS; s += this.windowS / 4) {
+      g.textAlign = s === 0 ? "right" : s === this.windowS ? "left" : "center";
       g.fillText(s === 0 ? "now" : `-${s}s`, left + pw * (1 - s / this.windowS), top + ph + 4);
     }
 
@@ -91,6 +92,7 @@ export class TimeChart {
     this.series.forEach((s, i) => {
       g.strokeStyle = s.color;
       g.lineWidth = 2;
+      g.setLineDash(i % 2 ? [6, 4] : []); // overlapping series stay distinguishable
       g.beginPath();
       let pen = false;
       for (const p of this.points) {
@@ -107,6 +109,7 @@ export class TimeChart {
       }
       g.stroke();
     });
+    g.setLineDash([]);
 
     // legend with latest values
     g.textAlign = "left";
@@ -114,7 +117,7 @@ export class TimeChart {
     let lx = left;
     this.series.forEach((s, i) => {
       const v = this.latest(i);
-      const label = `${s.name} ${v === null ? "–" : fmt(Math.round(v * 10) / 10)}`;
+      const label = `${s.name} ${v === null ? "–" : fmt(Math.round(v * 10) / 10) + this.unit}`;
       g.fillStyle = s.color;
       g.fillRect(lx, 7, 10, 10);
       g.fillStyle = "#111827";

@@ -142,7 +142,7 @@ async def test_steps_record_prefill_and_decode(client, tiny_model_dir):
 
 async def test_model_and_config(client):
     s = await stats(client)
-    assert s["model"]["name"] and s["model"]["max_model_len"] == 512
+    assert s["model"]["name"] == TINY_NAME and s["model"]["max_model_len"] == 512
     cfg = s["config"]
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 256
