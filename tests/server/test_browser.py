@@ -186,7 +186,7 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
                     ".createElement('canvas'); d.width = c.width; d.height = c.height;"
                     " return c.toDataURL() === d.toDataURL(); }", chart)
                 assert not blank, chart
-            assert float((await page.inner_text("#gen-tps"))) > 0
+            assert float(await page.inner_text("#gen-tps")) > 0
             assert (await page.inner_text("#kv-usage")) != "0.0%"
             await page.screenshot(path=ARTIFACTS / "admin-load.png", full_page=True)
         finally:

@@ -32,8 +32,8 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
 
 
 async def test_metrics_count_a_known_workload(tiny_model_dir):
-    # 32 blocks of 16 tokens: room for the sequential phase, too few for the concurrent one.
-    async with serve(tiny_model_dir, num_blocks=32) as client:
+    # 16 blocks of 16 tokens: room for the sequential phase, too few for the concurrent one.
+    async with serve(tiny_model_dir, num_blocks=16, max_model_len=256) as client:
         m0 = await scrape(client)
         assert m0["pagedserve:request_success_total{finished_reason=stop}"] == 0
         assert m0["pagedserve:num_requests_running"] == 0
@@ -88,10 +88,10 @@ async def test_metrics_count_a_known_workload(tiny_model_dir):
         assert delta(m2, m1, "pagedserve:generation_tokens_total") == (
             body["usage"]["completion_tokens"])
 
-        # Phase 3: four at once outgrow the 32 blocks: preemptions recompute, yet each prompt
+        # Phase 3: four at once outgrow the 16 blocks: preemptions recompute, yet each prompt
         # and each generated token counts once.
         results = await asyncio.gather(*(
-            chat(client, f"{i} bottles of milk on the wall", max_tokens=100, ignore_eos=True)
+            chat(client, f"{i} bottles of milk on the wall", max_tokens=40, ignore_eos=True)
             for i in range(4)))
         m3 = await scrape(client)
         s = await stats(client)
@@ -99,13 +99,13 @@ async def test_metrics_count_a_known_workload(tiny_model_dir):
         assert m3["pagedserve:num_preemptions_total"] == s["scheduler"]["num_preempted_total"]
         assert delta(m3, m2, "pagedserve:prompt_tokens_total") == sum(
             b["usage"]["prompt_tokens"] for b in results)
-        assert delta(m3, m2, "pagedserve:generation_tokens_total") == 4 * 100
+        assert delta(m3, m2, "pagedserve:generation_tokens_total") == 4 * 40
         assert delta(m3, m2, "pagedserve:request_success_total{finished_reason=length}") == 4
         assert delta(m3, m2, "pagedserve:request_queue_time_seconds_count") == 4
 
         # Phase 4: a client that goes away mid-stream counts as `abort`.
         payload = {"messages": [{"role": "user", "content": "x"}], "stream": True,
-                   "max_tokens": 400, "ignore_eos": True}
+                   "max_tokens": 200, "ignore_eos": True}
         async with client.stream("POST", "/v1/chat/completions", json=payload) as r:
             n = 0
             async for line in r.aiter_lines():
