@@ -19,7 +19,9 @@ MAX_NUM_SEQS = 8
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def client(tiny_model_dir):
-    async with serve(tiny_model_dir, max_num_seqs=MAX_NUM_SEQS) as c:
+    # Long contexts and room for them: the load outlasts the test even on a fast machine.
+    async with serve(tiny_model_dir, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048,
+                     num_blocks=1024) as c:
         yield c
 
 
@@ -30,7 +32,7 @@ def prompt(i: int) -> str:
 
 async def stream_forever(client: httpx.AsyncClient, text: str, seen: list[int]) -> None:
     """Stream a long completion until cancelled; counts received chunks in ``seen``."""
-    payload = {"prompt": text, "max_tokens": 450, "ignore_eos": True, "temperature": 0,
+    payload = {"prompt": text, "max_tokens": 1800, "ignore_eos": True, "temperature": 0,
                "stream": True}
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         assert r.status_code == 200
@@ -128,6 +130,7 @@ async def test_steps_record_prefill_and_decode(client, tiny_model_dir):
     assert r.json()["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12,
                                  "total_tokens": num_prompt + 12}
     s = await stats(client)
+    assert_idle(s)  # a finished request is gone, with its blocks, before its answer is sent
     assert s["scheduler"]["num_steps_total"] - before == 12
     steps = s["steps"][-12:]
     assert [st["batch_size"] for st in steps] == [1] * 12
@@ -142,11 +145,11 @@ async def test_steps_record_prefill_and_decode(client, tiny_model_dir):
 
 async def test_model_and_config(client):
     s = await stats(client)
-    assert s["model"]["name"] == TINY_NAME and s["model"]["max_model_len"] == 512
+    assert s["model"]["name"] == TINY_NAME and s["model"]["max_model_len"] == 2048
     cfg = s["config"]
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512}
-    assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 256
-    assert cfg["model"]["max_model_len"] == 512 and cfg["model"]["dtype"] == "float32"
+    assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
+    assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
     kv = s["kv_cache"]
     assert (kv["prefix_cache_queries"], kv["prefix_cache_hits"], kv["prefix_cache_hit_rate"]) == (
         0, 0, 0.0) or kv["prefix_cache_queries"] >= kv["prefix_cache_hits"]
@@ -172,7 +175,7 @@ async def test_events_stream_idle_and_under_load(client):
     await wait_idle(client)
     idle = await read_events(client, 3)
     gaps = [b[0] - a[0] for a, b in zip(idle, idle[1:], strict=False)]
-    assert all(0.35 < g < 1.0 for g in gaps), gaps  # every 500 ms when nothing changes
+    assert all(0.4 < g < 1.5 for g in gaps), gaps  # every 500 ms when nothing changes
     for _, snap in idle:
         assert_idle(snap)
         assert {"scheduler", "kv_cache", "steps", "throughput", "model", "config"} <= set(snap)
@@ -182,7 +185,8 @@ async def test_events_stream_idle_and_under_load(client):
         while (await stats(client))["scheduler"]["num_running"] < 4:
             await asyncio.sleep(0.01)
         busy = await read_events(client, 6)
-        assert busy[-1][0] - busy[0][0] < 1.5  # on change: faster than the idle beat
+        # on change: faster than the idle beat (5 gaps of 500 ms would take 2.5 s)
+        assert busy[-1][0] - busy[0][0] < 2.0
         assert all(e["scheduler"]["num_running"] == 4 for _, e in busy)
         steps = [e["scheduler"]["num_steps_total"] for _, e in busy]
         assert steps == sorted(steps) and steps[-1] > steps[0]

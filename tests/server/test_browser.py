@@ -77,7 +77,7 @@ async def abort_count(client: httpx.AsyncClient, headers=None) -> float:
 async def test_chat_page_streams_keeps_conversation_and_stop_aborts(browser, tiny_model_dir):
     from playwright.async_api import expect
 
-    async with serve(tiny_model_dir, max_model_len=2048) as client:
+    async with serve(tiny_model_dir, max_model_len=2048, num_blocks=1024) as client:
         base = str(client.base_url).rstrip("/")
         page = await browser.new_page(viewport={"width": 1100, "height": 760})
         seen = watch_requests(page, base)
@@ -144,7 +144,7 @@ async def _idle(client: httpx.AsyncClient, headers=None) -> dict | None:
 
 
 async def long_stream(client: httpx.AsyncClient, i: int) -> None:
-    payload = {"prompt": f"{i} little pigs", "max_tokens": 450, "ignore_eos": True,
+    payload = {"prompt": f"{i} little pigs", "max_tokens": 1800, "ignore_eos": True,
                "stream": True}
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         async for _ in r.aiter_lines():
@@ -156,7 +156,8 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
 
     key = {"Authorization": "Bearer sk-admin"}
     serving = ServingConfig(TINY_NAME, admin_key="sk-admin")
-    async with serve_config(tiny_model_dir, serving, max_num_seqs=4) as client:
+    async with serve_config(tiny_model_dir, serving, max_num_seqs=4, max_model_len=2048,
+                            num_blocks=1024) as client:
         base = str(client.base_url).rstrip("/")
         page = await browser.new_page(viewport={"width": 1280, "height": 1100})
         seen = watch_requests(page, base)
