@@ -44,7 +44,8 @@ function setBusy(busy) {
 }
 
 function showStats(s, done) {
-  const elapsed = s.firstAt ? (performance.now() - s.firstAt) / 1000 : 0;
+  // decode rate: tokens after the first over the time between the first and the last
+  const elapsed = s.firstAt ? (s.lastAt - s.firstAt) / 1000 : 0;
   const rate = s.tokens > 1 && elapsed > 0 ? (s.tokens - 1) / elapsed : 0;
   const parts = [`${s.tokens} tokens`, `${rate.toFixed(1)} tok/s`];
   if (s.ttft !== null) parts.push(`TTFT ${Math.round(s.ttft)} ms`);
@@ -62,7 +63,7 @@ async function send(text) {
   const out = addBubble("assistant", "");
   out.parentElement.classList.add("streaming");
   const messages = system ? [{ role: "system", content: system }, ...history] : [...history];
-  const s = { tokens: 0, ttft: null, firstAt: null, start: performance.now() };
+  const s = { tokens: 0, ttft: null, firstAt: null, lastAt: null, start: performance.now() };
   let finish = null;
   let answer = "";
   state.controller = new AbortController();
@@ -89,6 +90,7 @@ async function send(text) {
         s.ttft = s.firstAt - s.start;
       }
       s.tokens += n;
+      if (n) s.lastAt = performance.now();
       if (choice.delta && choice.delta.content) {
         answer += choice.delta.content;
         out.textContent = answer;
