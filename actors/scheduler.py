@@ -234,13 +234,14 @@ class Scheduler(Actor):
         prefill = decode = 0
         queue_times: list[float] = []
         for sr in so.scheduled:
-            request = self.requests[sr.req_id]
+            request = self.requests.get(sr.req_id)
             n = len(sr.token_ids)
-            if n == 1 and sr.num_computed_tokens >= request.num_prompt_tokens:
+            prompt_len = request.num_prompt_tokens if request is not None else 0
+            if n == 1 and sr.num_computed_tokens >= prompt_len > 0:  # fed back a sampled token
                 decode += 1
             else:
                 prefill += n
-            if request.scheduled_time is None:
+            if request is not None and request.scheduled_time is None:
                 request.scheduled_time = start
                 queue_times.append(start - request.arrival_time)
         generated = sum(len(t) for t in out.sampled_token_ids.values())

@@ -54,9 +54,11 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.").labels(model_name)
         self.generation_tokens = counter(
             "generation_tokens", "Generated tokens.").labels(model_name)
-        success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                          ["model_name", "finished_reason"], registry=self.registry)
-        self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # shown as 0 before the first one happens
+            self.request_success.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
                               TTFT_BUCKETS).labels(model_name)
         self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.",
@@ -86,7 +88,7 @@ class PrometheusStatLogger:
         if update.itl_s is not None:
             self.itl.observe(update.itl_s)
         if update.finish_reason is not None:
-            self.request_success[update.finish_reason].inc()
+            self.request_success.labels(self.model_name, update.finish_reason).inc()
         if update.e2e_s is not None:
             self.e2e.observe(update.e2e_s)
 
