@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
@@ -26,6 +26,7 @@ from actors.kv_cache_manager import KVCacheManager
 from actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
+from actors.stats import RequestUpdate, StatLogger
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelInfo, ModelRunner
@@ -76,6 +77,38 @@ class _Lease:
             self.scheduler.send(AbortRequest(self.request_id))
 
 
+class _RequestMetrics:
+    """Reports one request's tokens (TTFT, then inter-token latency) and its end, as the
+    client sees them, to the engine's stat loggers (the server's Prometheus metrics)."""
+
+    __slots__ = ("loggers", "last_token_time")
+
+    def __init__(self, loggers: list[StatLogger]):
+        self.loggers = loggers
+        self.last_token_time: float | None = None
+
+    def tokens(self, request: Request, n: int) -> None:
+        if not self.loggers or not n:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            update = RequestUpdate(request.num_prompt_tokens, n,
+                                   ttft_s=now - request.arrival_time)
+        else:
+            update = RequestUpdate(0, n, itl_s=now - self.last_token_time)
+        self.last_token_time = now
+        self._send(update)
+
+    def finished(self, request: Request, finish: str | None) -> None:
+        if self.loggers:  # no finish reason here means the client went away
+            self._send(RequestUpdate(finish_reason=finish or "abort",
+                                     e2e_s=time.monotonic() - request.arrival_time))
+
+    def _send(self, update: RequestUpdate) -> None:
+        for logger in self.loggers:
+            logger.record_request(update)
+
+
 class RequestStream:
     """One request's deltas, read by its request task.
 
@@ -84,11 +117,12 @@ class RequestStream:
     is dropped without ever being read. Either way the scheduler frees its blocks.
     """
 
-    def __init__(self, scheduler: Scheduler, request: Request, detok: IncrementalDetokenizer):
+    def __init__(self, scheduler: Scheduler, request: Request, detok: IncrementalDetokenizer,
+                 metrics: _RequestMetrics):
         self.request_id = request.request_id
         self._lease = _Lease(scheduler, request.request_id)
         # The generator holds the lease, not this object, so dropping the stream frees it now.
-        self._it = _deltas(request, detok, self._lease)
+        self._it = _deltas(request, detok, self._lease, metrics)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -105,19 +139,22 @@ class RequestStream:
 
 
 async def _deltas(
-    request: Request, detok: IncrementalDetokenizer, lease: _Lease
+    request: Request, detok: IncrementalDetokenizer, lease: _Lease, metrics: _RequestMetrics,
 ) -> AsyncIterator[GenerationDelta]:
     num_output = 0
+    finish: str | None = None
     try:
         while True:
             out = await request.output_queue.get()
             if out.finish_reason is not None:
                 lease.live = False  # the scheduler already let go of it
-            if out.finish_reason == "abort":
-                raise EngineShuttingDown(out.error or "request aborted by the server")
-            if out.finish_reason == "error":
+            if out.finish_reason in ("abort", "error"):
+                finish = out.finish_reason
+                if finish == "abort":
+                    raise EngineShuttingDown(out.error or "request aborted by the server")
                 raise EngineError(out.error or "request failed")
             num_output += len(out.new_token_ids)
+            metrics.tokens(request, len(out.new_token_ids))
             text = detok.update(out.new_token_ids, final=out.finish_reason is not None)
             finish = detok.stop_reason or out.finish_reason
             yield GenerationDelta(text, out.new_token_ids, finish, request.num_prompt_tokens,
@@ -126,6 +163,7 @@ async def _deltas(
                 return
     finally:
         lease.release()
+        metrics.finished(request, finish)
 
 
 class AsyncEngine:
@@ -133,7 +171,7 @@ class AsyncEngine:
 
     def __init__(
         self, config: EngineConfig, info: ModelInfo, tokenizer: PreTrainedTokenizerBase,
-        scheduler: Scheduler, executor: Executor,
+        scheduler: Scheduler, executor: Executor, stat_loggers: list[StatLogger],
     ):
         self.config = config
         self.info = info
@@ -141,6 +179,7 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.executor = executor
         self._eos = frozenset(info.eos_token_ids)
+        self.stat_loggers = stat_loggers  # shared with the scheduler; see add_stat_logger
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -167,7 +206,8 @@ class AsyncEngine:
             info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
             config.cache.prefix_caching_hash_algo,
         )
-        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len)
+        stat_loggers: list[StatLogger] = []
+        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers)
         executor.start()
         scheduler.start()
         log.info(
@@ -182,7 +222,12 @@ class AsyncEngine:
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
             load_seconds=round(info.load_seconds, 2),
         )
-        return cls(config, info, tokenizer, scheduler, executor)
+        return cls(config, info, tokenizer, scheduler, executor, stat_loggers)
+
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        """Have ``logger`` see every step (from the scheduler) and every request update (from
+        the request tasks). Meant for start-up, before requests arrive."""
+        self.stat_loggers.append(logger)
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -210,7 +255,8 @@ class AsyncEngine:
             self.scheduler.send(AbortRequest(request_id))
             raise
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        return RequestStream(self.scheduler, request, detok)
+        return RequestStream(self.scheduler, request, detok,
+                             _RequestMetrics(self.stat_loggers))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -231,6 +277,7 @@ class AsyncEngine:
         stats["model"] = {"name": self.info.served_name, "path": self.info.path,
                           "dtype": self.info.dtype, "device": self.info.device,
                           "max_model_len": self.info.max_model_len}
+        stats["config"] = self.effective_config()
         stats["time"] = time.time()
         return stats
 
@@ -251,6 +298,14 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         self.scheduler.send(AbortAll("server shutting down"))
         await self.get_stats()  # handled after the AbortAll: the requests are gone
+    def effective_config(self) -> dict[str, Any]:
+        """The settings in force: the flags as given, with what loading resolved (``auto``
+        dtype, default ``max_model_len``, the KV pool's size) filled in."""
+        config = asdict(self.config)
+        config["model"].update(dtype=self.info.dtype, device=self.info.device,
+                               max_model_len=self.info.max_model_len)
+        config["cache"]["num_blocks"] = self.info.num_blocks
+        return config
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

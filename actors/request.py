@@ -72,6 +72,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     first_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
+    scheduled_time: float | None = None  # first time it was in a step (for queue time)
 
     @property
     def all_token_ids(self) -> list[int]:

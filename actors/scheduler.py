@@ -34,6 +34,7 @@ from actors.messages import (
 )
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from actors.request_queue import make_request_queue
+from actors.stats import StatLogger, StepHistory, StepStats, request_row
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -44,7 +45,7 @@ class Scheduler(Actor):
 
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, executor: Actor,
-        max_model_len: int,
+        max_model_len: int, stat_loggers: list[StatLogger] | None = None,
     ):
         super().__init__()
         self.config = config
@@ -58,6 +59,9 @@ class Scheduler(Actor):
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
+        self.step_history = StepHistory()
+        # Observers of each step (the server's metrics); the engine owns the list.
+        self.stat_loggers: list[StatLogger] = stat_loggers if stat_loggers is not None else []
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -68,6 +72,7 @@ class Scheduler(Actor):
             self._drain_mailbox()
             if not self.has_unfinished_requests():
                 continue
+            start = time.monotonic()
             so = self.schedule()
             if not so.scheduled:  # nothing fits now; wait for an abort or a new request
                 self._handle(await self.mailbox.get())
@@ -77,6 +82,7 @@ class Scheduler(Actor):
             except Exception:
                 log.exception("step_failed", num_reqs=len(so.scheduled))
                 out = await self._execute_isolated(so)
+            self._record_step(so, out, start)
             self.update_from_output(so, out)
 
     async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -297,16 +303,48 @@ class Scheduler(Actor):
 
     # -- stats ------------------------------------------------------------------------------
 
+    def _record_step(self, so: SchedulerOutput, out: ModelRunnerOutput, start: float) -> None:
+        """Keep the step for the admin view and hand it to the stat loggers. Runs before
+        ``update_from_output``, while every scheduled request is still known."""
+        now = time.monotonic()
+        prefill = decode = 0
+        queue_times: list[float] = []
+        for sr in so.scheduled:
+            request = self.requests.get(sr.req_id)
+            n = len(sr.token_ids)
+            prompt_len = request.num_prompt_tokens if request is not None else 0
+            if n == 1 and sr.num_computed_tokens >= prompt_len > 0:  # fed back a sampled token
+                decode += 1
+            else:
+                prefill += n
+            if request is not None and request.scheduled_time is None:
+                request.scheduled_time = start
+                queue_times.append(start - request.arrival_time)
+        generated = sum(len(t) for t in out.sampled_token_ids.values())
+        step = StepStats(now, len(so.scheduled), prefill, decode, generated, now - start,
+                         queue_times)
+        self.step_history.append(step)
+        for logger in self.stat_loggers:
+            logger.record_step(step)
+
     def stats(self) -> dict[str, Any]:
+        """The ``GetStats`` reply: plain data built in the actor's own task."""
         pool = self.kv.block_pool
+        now = time.monotonic()
+        live = [*self.running, *self.waiting]
+        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         return {
             "scheduler": {
+                "policy": "fcfs",
                 "num_waiting": len(self.waiting),
                 "num_running": len(self.running),
                 "num_preempted_total": self.num_preemptions,
                 "num_steps_total": self.num_steps,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
                 "policy": self.config.policy,
+                "requests": [
+                    request_row(r, len(self.kv.get_block_ids(r.request_id)), now) for r in live
+                ],
             },
             "kv_cache": {
                 "block_size": self.kv.block_size,
@@ -314,9 +352,10 @@ class Scheduler(Actor):
                 "num_free_blocks": pool.get_num_free_blocks(),
                 "num_cached_blocks": self.kv.num_cached_blocks,
                 "usage": round(pool.get_usage(), 6),
-                "prefix_cache_queries": self.kv.prefix_cache_queries,
-                "prefix_cache_hits": self.kv.prefix_cache_hits,
-                "prefix_cache_hit_rate": round(
-                    self.kv.prefix_cache_hits / max(self.kv.prefix_cache_queries, 1), 6),
+                "prefix_cache_queries": queries,
+                "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": round(hits / queries, 6) if queries else 0.0,
             },
+            "steps": self.step_history.rows(),
+            "throughput": self.step_history.throughput(now),
         }

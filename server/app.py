@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from actors.engine import AsyncEngine
+from server.admin import admin_routes
 from server.errors import OpenAIError, error_body
 from server.middleware import RequestGuard
 from server.protocol import DetokenizeRequest, TokenizeRequest
@@ -31,8 +32,9 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_app(engine: AsyncEngine, config: ServingConfig, api_key: str | None = None,
+def build_app(engine: AsyncEngine, config: ServingConfig,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> RequestGuard:
+    """The ASGI app: routes behind the guard (``config.api_key``, body limit)."""
     serving = Serving(engine, config)
     created = int(time.time())
 
@@ -76,9 +78,6 @@ def build_app(engine: AsyncEngine, config: ServingConfig, api_key: str | None = 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
-    async def admin_stats(request: Request) -> JSONResponse:
-        return JSONResponse(await engine.get_stats())
-
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})
 
@@ -103,12 +102,12 @@ def build_app(engine: AsyncEngine, config: ServingConfig, api_key: str | None = 
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key),
     ]
     app = Starlette(
         routes=routes,
         exception_handlers={OpenAIError: on_openai_error, HTTPException: on_http_error,
                             Exception: on_error},
     )
-    return RequestGuard(app, api_key, max_request_body_bytes)
+    return RequestGuard(app, config.api_key, max_request_body_bytes)

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log prompt and output text (never logged otherwise)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template (file path or inline) overriding the tokenizer's")
+    s.add_argument("--admin-key", default=os.environ.get("PAGEDSERVE_ADMIN_KEY"),
+                   help="bearer key for /admin/stats, /admin/events and /metrics (default: "
+                        "$PAGEDSERVE_ADMIN_KEY; unset = the API key, if any, else open)")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="device; default: CUDA when present")
     s.add_argument("--enforce-eager", action="store_true",
@@ -149,8 +152,9 @@ async def serve(args: argparse.Namespace) -> None:
     engine = await AsyncEngine.start(engine_config(args))
     served = args.served_model_name or engine.info.served_name
     serving = ServingConfig(served, _read_template(args.chat_template), args.scheduling_policy,
-                            args.enable_log_requests)
-    app = build_app(engine, serving, args.api_key, args.max_request_body_bytes)
+                            args.enable_log_requests, api_key=args.api_key,
+                            admin_key=args.admin_key)
+    app = build_app(engine, serving, args.max_request_body_bytes)
     config = hypercorn_config(args.host, args.port)
     stop = asyncio.Event()
 
@@ -165,7 +169,11 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving", url=f"http://{config.bind[0]}/v1", model=served)
+    base = f"http://{config.bind[0]}"
+    log.info("serving", url=f"{base}/v1", model=served)
+    key_required = bool(args.admin_key or getattr(args, "api_key", None))
+    log.info("operator_pages", chat=f"{base}/", dashboard=f"{base}/admin",
+             metrics=f"{base}/metrics", admin_key_required=key_required)
     try:
         await hypercorn_serve(app, config, shutdown_trigger=drain_then_stop)
     finally:

@@ -31,7 +31,7 @@ async def running_server(
 ) -> AsyncIterator[str]:
     """Serve ``engine`` on ``host:port`` inside the running loop; yields the base URL.
 
-    ``port=0`` picks a free port; ``app_kwargs`` go to ``build_app`` (``api_key``, ...).
+    ``port=0`` picks a free port; ``app_kwargs`` go to ``build_app``.
     """
     if port == 0:
         port = free_port(host)

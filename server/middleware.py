@@ -19,17 +19,21 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
+OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics"})
+
+
 class RequestGuard:
     """Args:
     app: the ASGI app behind the guard.
     api_key: when set, every path outside ``open_paths`` needs ``Authorization: Bearer <key>``
         (compared in constant time).
     max_body_bytes: larger request bodies get 413.
-    open_paths: paths served without a key (``/health``).
+    open_paths: paths this guard lets through without the API key: ``/health``, the pages
+        (which hold no data) and the operator routes, which check the admin key themselves.
     """
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
-                 open_paths: frozenset[str] = frozenset({"/health"})):
+                 open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -42,7 +46,9 @@ class RequestGuard:
         if self.draining:
             return await _reply(send, 503, "server is shutting down", {"retry-after": "1"})
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope["path"] not in self.open_paths:
+        path = scope["path"]
+        if (self.api_key is not None and path not in self.open_paths
+                and not path.startswith("/static/")):
             auth = headers.get(b"authorization", b"")
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.api_key):

@@ -35,6 +35,8 @@ class ServingConfig:
     chat_template: str | None = None
     scheduling_policy: str = "fcfs"
     enable_log_requests: bool = False
+    api_key: str | None = None  # the admin routes fall back to it when no admin key is set
+    admin_key: str | None = None  # guards /admin/stats, /admin/events and /metrics
 
 
 def request_id_from(request: Request, prefix: str) -> str:

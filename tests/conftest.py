@@ -97,12 +97,16 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
 
 @asynccontextmanager
 async def serve(model_dir: Path, name: str = TINY_NAME, app_kwargs: dict | None = None,
-                **kw) -> AsyncIterator[httpx.AsyncClient]:
-    """Start an engine and a real Hypercorn server on a free loopback port; yield a client."""
+                serving: ServingConfig | None = None, **kw) -> AsyncIterator[httpx.AsyncClient]:
+    """Start an engine and a real Hypercorn server on a free loopback port; yield a client.
+
+    ``serving`` chooses keys and template; ``app_kwargs`` go to ``build_app``; the rest to
+    ``engine_config``.
+    """
     config = engine_config(model_dir, **kw)
     engine = await AsyncEngine.start(config)
     try:
-        serving = ServingConfig(name, scheduling_policy=config.scheduler.policy)
+        serving = serving or ServingConfig(name, scheduling_policy=config.scheduler.policy)
         async with running_server(engine, serving, **(app_kwargs or {})) as url:
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 yield client

@@ -110,7 +110,8 @@ def test_raw_sse_format(server):
             "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}],
             "stream": True, "max_tokens": 8, "temperature": 0}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines() if ln]
+        # ": ping" comments (sse-starlette's keep-alive, every 15 s) are legal SSE; skip them
+        lines = [ln for ln in r.iter_lines() if ln and not ln.startswith(":")]
     assert all(ln.startswith("data: ") for ln in lines)
     assert lines[-1] == "data: [DONE]"
     first = json.loads(lines[0][6:])

@@ -11,6 +11,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from server.serving import ServingConfig
 from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats
 
 MSG = [{"role": "user", "content": "Tell me about the weather today."}]
@@ -271,7 +272,8 @@ async def test_overload_gets_503_with_retry_after(tiny_model_dir):
 
 
 async def test_api_key(tiny_model_dir):
-    async with serve(tiny_model_dir, app_kwargs={"api_key": "s3cret"}) as client:
+    serving = ServingConfig("tiny-llama", api_key="s3cret")
+    async with serve(tiny_model_dir, serving=serving) as client:
         assert (await client.get("/health")).status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = await client.get("/v1/models", headers=headers)
