@@ -1,9 +1,9 @@
 """The engine as the HTTP layer sees it: start the actors, run one request as a task.
 
-``AsyncEngine.generate`` is the *request task* of DESIGN.md: it owns the request's output queue,
-sends ``AddRequest`` to the scheduler, detokenizes what comes back, applies stop strings and,
-in its ``finally``, sends ``AbortRequest`` when the request did not end by itself (client gone,
-stop string matched), so the scheduler frees its blocks before the next step.
+``AsyncEngine.add_request`` + ``RequestStream`` are the *request task* of DESIGN.md: the task
+owns the request's output queue, sends ``AddRequest`` to the scheduler, detokenizes what comes
+back, applies stop strings and, when it stops reading early (client gone, stop string matched),
+sends ``AbortRequest``, so the scheduler frees the blocks before its next step.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,21 +20,19 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.config import SchedulerConfig
 from actors.detokenizer import IncrementalDetokenizer
+from actors.errors import EngineError, EngineShuttingDown
 from actors.executor import Executor
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, GetStats
+from actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelInfo, ModelRunner
+from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
-
-
-class EngineError(RuntimeError):
-    """A request failed inside the engine (its step raised); other requests carry on."""
 
 
 @dataclass(slots=True)
@@ -52,6 +51,7 @@ class GenerationDelta:
         token_ids: tokens sampled since the last delta.
         finish_reason: ``stop``/``length`` on the last delta, else ``None``.
         num_prompt_tokens, num_output_tokens: usage so far.
+        logprobs: one per token in ``token_ids``, when the request asked for them.
     """
 
     text: str
@@ -59,6 +59,73 @@ class GenerationDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class _Lease:
+    """Whether the scheduler still holds a request; ``release`` aborts it at most once."""
+
+    __slots__ = ("scheduler", "request_id", "live")
+
+    def __init__(self, scheduler: Scheduler, request_id: str):
+        self.scheduler, self.request_id, self.live = scheduler, request_id, True
+
+    def release(self) -> None:
+        if self.live:
+            self.live = False
+            self.scheduler.send(AbortRequest(self.request_id))
+
+
+class RequestStream:
+    """One request's deltas, read by its request task.
+
+    The request ends by itself (EOS, length, error) or is aborted: when a stop string matches,
+    when the reader closes the stream early (client gone), or, as a safety net, when the stream
+    is dropped without ever being read. Either way the scheduler frees its blocks.
+    """
+
+    def __init__(self, scheduler: Scheduler, request: Request, detok: IncrementalDetokenizer):
+        self.request_id = request.request_id
+        self._lease = _Lease(scheduler, request.request_id)
+        # The generator holds the lease, not this object, so dropping the stream frees it now.
+        self._it = _deltas(request, detok, self._lease)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        await self._it.aclose()
+        self._lease.release()
+
+    def __del__(self) -> None:
+        self._lease.release()
+
+
+async def _deltas(
+    request: Request, detok: IncrementalDetokenizer, lease: _Lease
+) -> AsyncIterator[GenerationDelta]:
+    num_output = 0
+    try:
+        while True:
+            out = await request.output_queue.get()
+            if out.finish_reason is not None:
+                lease.live = False  # the scheduler already let go of it
+            if out.finish_reason == "abort":
+                raise EngineShuttingDown(out.error or "request aborted by the server")
+            if out.finish_reason == "error":
+                raise EngineError(out.error or "request failed")
+            num_output += len(out.new_token_ids)
+            text = detok.update(out.new_token_ids, final=out.finish_reason is not None)
+            finish = detok.stop_reason or out.finish_reason
+            yield GenerationDelta(text, out.new_token_ids, finish, request.num_prompt_tokens,
+                                  num_output, out.logprobs)
+            if finish is not None:
+                return
+    finally:
+        lease.release()
 
 
 class AsyncEngine:
@@ -96,7 +163,10 @@ class AsyncEngine:
                 f"max_model_len={info.max_model_len}: raise --kv-cache-memory-bytes / "
                 f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
             )
-        kv = KVCacheManager(info.num_blocks, info.block_size)
+        kv = KVCacheManager(
+            info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
+            config.cache.prefix_caching_hash_algo,
+        )
         scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len)
         executor.start()
         scheduler.start()
@@ -114,37 +184,44 @@ class AsyncEngine:
         )
         return cls(config, info, tokenizer, scheduler, executor)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationDelta]:
-        """Run one request, yielding text deltas until it finishes.
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its stream once the scheduler has accepted it, so a
+        refusal becomes an HTTP error before any response starts.
+
+        Args:
+            priority: lower runs earlier under the ``priority`` scheduling policy.
+            cache_salt: isolates the request's prefix-cache blocks from other salts.
 
         Raises:
-            EngineError: the request failed inside the engine.
+            EngineOverloaded: the waiting queue is full.
+            DuplicateRequestId: a live request has this id.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self.scheduler.send(AddRequest(request))
-        num_output = 0
-        ended_in_engine = False
+        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
+                          priority=priority, cache_salt=cache_salt)
+        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(AddRequest(request, accepted))
         try:
-            while True:
-                out = await queue.get()
-                ended_in_engine = out.finish_reason is not None
-                if out.finish_reason in ("error", "abort"):
-                    raise EngineError(out.error or f"request {out.finish_reason}")
-                num_output += len(out.new_token_ids)
-                text = detok.update(out.new_token_ids, final=ended_in_engine)
-                finish = detok.stop_reason or out.finish_reason
-                yield GenerationDelta(
-                    text, out.new_token_ids, finish, len(prompt_token_ids), num_output
-                )
-                if finish is not None:
-                    return
-        finally:
-            if not ended_in_engine:
-                self.scheduler.send(AbortRequest(request_id))
+            await accepted
+        except asyncio.CancelledError:
+            self.scheduler.send(AbortRequest(request_id))
+            raise
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        return RequestStream(self.scheduler, request, detok)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, cache_salt: str | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """``add_request`` and iterate, in one call (for tools and tests)."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, priority,
+                                        cache_salt)
+        async with aclosing(stream):
+            async for delta in stream:
+                yield delta
 
     async def get_stats(self) -> dict[str, Any]:
         """A snapshot from the scheduler actor, asked by message."""
@@ -156,6 +233,24 @@ class AsyncEngine:
                           "max_model_len": self.info.max_model_len}
         stats["time"] = time.time()
         return stats
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds; returns how many."""
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(ResetPrefixCache(reply))
+        return await reply
+
+    async def drain(self, timeout: float) -> None:
+        """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
+        rest (their clients get an error saying the server is shutting down)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = (await self.get_stats())["scheduler"]
+            if s["num_running"] + s["num_waiting"] == 0:
+                return
+            await asyncio.sleep(0.05)
+        self.scheduler.send(AbortAll("server shutting down"))
+        await self.get_stats()  # handled after the AbortAll: the requests are gone
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

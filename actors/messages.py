@@ -12,9 +12,11 @@ from gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 @dataclass(slots=True)
 class AddRequest:
-    """Request task → scheduler: queue a new request."""
+    """Request task → scheduler: queue a new request. ``accepted`` resolves once it is queued,
+    or fails with ``EngineOverloaded`` / ``DuplicateRequestId``."""
 
     request: Request
+    accepted: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
@@ -26,10 +28,24 @@ class AbortRequest:
 
 
 @dataclass(slots=True)
+class AbortAll:
+    """Shutdown → scheduler: end every request (their streams report ``reason``)."""
+
+    reason: str
+
+
+@dataclass(slots=True)
 class GetStats:
     """Anyone → scheduler: reply with a stats snapshot (a plain dict)."""
 
     reply: asyncio.Future[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class ResetPrefixCache:
+    """Admin → scheduler: forget cached blocks nobody holds; replies with how many."""
+
+    reply: asyncio.Future[int]
 
 
 @dataclass(slots=True)

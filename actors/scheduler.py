@@ -16,16 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from typing import Any
 
 import structlog
 
 from actors.actor import Actor
 from actors.config import SchedulerConfig
+from actors.errors import DuplicateRequestId, EngineOverloaded
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, ExecuteModel, GetStats
+from actors.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    ExecuteModel,
+    GetStats,
+    ResetPrefixCache,
+)
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from actors.request_queue import make_request_queue
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -43,12 +51,13 @@ class Scheduler(Actor):
         self.kv = kv_cache_manager
         self.executor = executor
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -63,15 +72,36 @@ class Scheduler(Actor):
             if not so.scheduled:  # nothing fits now; wait for an abort or a new request
                 self._handle(await self.mailbox.get())
                 continue
-            reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-            self.executor.send(ExecuteModel(so, reply))
             try:
-                out = await reply
-            except Exception as e:  # a failed step fails its requests, not the server
+                out = await self._execute(so)
+            except Exception:
                 log.exception("step_failed", num_reqs=len(so.scheduled))
-                self._fail(so, f"{type(e).__name__}: {e}")
-                continue
+                out = await self._execute_isolated(so)
             self.update_from_output(so, out)
+
+    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+        self.executor.send(ExecuteModel(so, reply))
+        return await reply
+
+    async def _execute_isolated(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """After a failed step, rerun each request alone: only the one that fails by itself is
+        failed (K/V writes are idempotent, so rerunning a request's slice is safe)."""
+        merged = ModelRunnerOutput({}, {})
+        for sr in so.scheduled:
+            try:
+                out = await self._execute(SchedulerOutput([sr]))
+            except Exception as e:
+                log.exception("request_failed", request_id=sr.req_id)
+                request = self.requests.get(sr.req_id)
+                if request is not None:
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    request.output_queue.put_nowait(
+                        RequestOutput([], "error", f"{type(e).__name__}: {e}"))
+                continue
+            merged.sampled_token_ids.update(out.sampled_token_ids)
+            merged.logprobs.update(out.logprobs)
+        return merged
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,25 +112,47 @@ class Scheduler(Actor):
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):
-            self.add_request(msg.request)
+            self._on_add(msg)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.request_id)
+        elif isinstance(msg, AbortAll):
+            for request in list(self.requests.values()):
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
+        elif isinstance(msg, ResetPrefixCache):
+            if not msg.reply.done():
+                msg.reply.set_result(self.kv.reset_prefix_cache())
         else:
             raise TypeError(f"scheduler got an unknown message {msg!r}")
 
     # -- requests in and out ----------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def _on_add(self, msg: AddRequest) -> None:
+        request, accepted = msg.request, msg.accepted
+        error: Exception | None = None
+        limit = self.config.max_waiting_requests
         if request.request_id in self.requests:
-            request.output_queue.put_nowait(
-                RequestOutput([], "error", f"duplicate request id {request.request_id!r}")
-            )
+            error = DuplicateRequestId(f"a request with id {request.request_id!r} is running")
+        elif limit is not None and len(self.waiting) >= limit:
+            error = EngineOverloaded(f"server overloaded: {len(self.waiting)} requests waiting")
+        if accepted is not None and accepted.done():  # the request task was cancelled
             return
+        if error is None:
+            self.add_request(request)
+        if accepted is not None and error is not None:
+            accepted.set_exception(error)
+        elif accepted is not None:
+            accepted.set_result(None)
+        elif error is not None:
+            request.output_queue.put_nowait(RequestOutput([], "error", str(error)))
+
+    def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.kv.update_block_hashes(request)
+        self.waiting.add(request)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -124,7 +176,7 @@ class Scheduler(Actor):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         log.debug("preempted", request_id=request.request_id)
 
     # -- one step ---------------------------------------------------------------------------
@@ -132,6 +184,10 @@ class Scheduler(Actor):
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        if self.config.policy == "priority":
+            # Best first, so the victim of preemption is always the last running request.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            self._preempt_for_priority(budget)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -154,18 +210,38 @@ class Scheduler(Actor):
             self.waiting and budget > 0 and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, n) is None:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, n, hits) is None:
                 break
-            self.waiting.popleft()
+            self.kv.record_lookup(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, n))
+            sr = self._scheduled(request, n)
+            if num_hit_tokens:  # the runner never saw the cached prefix's tokens
+                sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
+            scheduled.append(sr)
             budget -= n
         so = SchedulerOutput(scheduled, self.finished_req_ids)
         self.finished_req_ids = set()
         return so
+
+    def _preempt_for_priority(self, budget: int) -> None:
+        """A waiting request of strictly higher priority (lower value) than the worst running
+        one takes its place when the batch is full or the blocks are short."""
+        if not self.waiting:
+            return
+        head = self.waiting.peek()
+        need = self.kv.num_blocks_needed(min(head.num_tokens, budget))
+        while self.running and head.priority < self.running[-1].priority:
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            blocks_short = need > self.kv.block_pool.get_num_free_blocks()
+            if not (seats_full or blocks_short):
+                return
+            self._preempt(self.running.pop())
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -180,10 +256,12 @@ class Scheduler(Actor):
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             sample=start + n == request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         self.num_steps += 1
+        self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
         for sr in so.scheduled:
             request = self.requests.get(sr.req_id)
@@ -196,28 +274,26 @@ class Scheduler(Actor):
             if request.first_token_time is None:
                 request.first_token_time = now
             request.output_token_ids.extend(new)
+            self.kv.update_block_hashes(request)
             status = self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
-            request.output_queue.put_nowait(RequestOutput(new, FINISH_REASONS.get(status)))
+            request.output_queue.put_nowait(RequestOutput(
+                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+        if len(request.output_token_ids) >= params.min_tokens and (
+            (not params.ignore_eos and last in request.eos_token_ids)
+            or last in params.stop_token_ids
+        ):
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _fail(self, so: SchedulerOutput, error: str) -> None:
-        for sr in so.scheduled:
-            request = self.requests.get(sr.req_id)
-            if request is not None:
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                request.output_queue.put_nowait(RequestOutput([], "error", error))
 
     # -- stats ------------------------------------------------------------------------------
 
@@ -229,11 +305,18 @@ class Scheduler(Actor):
                 "num_running": len(self.running),
                 "num_preempted_total": self.num_preemptions,
                 "num_steps_total": self.num_steps,
+                "num_computed_tokens_total": self.num_computed_tokens_total,
+                "policy": self.config.policy,
             },
             "kv_cache": {
                 "block_size": self.kv.block_size,
                 "num_blocks": pool.num_blocks,
                 "num_free_blocks": pool.get_num_free_blocks(),
+                "num_cached_blocks": self.kv.num_cached_blocks,
                 "usage": round(pool.get_usage(), 6),
+                "prefix_cache_queries": self.kv.prefix_cache_queries,
+                "prefix_cache_hits": self.kv.prefix_cache_hits,
+                "prefix_cache_hit_rate": round(
+                    self.kv.prefix_cache_hits / max(self.kv.prefix_cache_queries, 1), 6),
             },
         }

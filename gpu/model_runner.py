@@ -18,7 +18,7 @@ from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
 from gpu.cuda_graph import CudaGraphRunner
 from gpu.models.llama import LlamaForCausalLM
-from gpu.sampler import sample
+from gpu.sampler import SampleRow, sample
 from gpu.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -48,6 +48,7 @@ class ModelInfo:
     device: str
     eos_token_ids: list[int]
     load_seconds: float
+    vocab_size: int
     attention_backend: str = "torch"
 
 
@@ -66,6 +67,8 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.generators: dict[str, torch.Generator] = {}
+        # Every token of each live request, as computed so far (penalties read them).
+        self.token_ids: dict[str, list[int]] = {}
         self.cuda_graphs: CudaGraphRunner | None = None
 
     def load(self) -> ModelInfo:
@@ -106,6 +109,7 @@ class ModelRunner:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
+        self.eos_token_ids = self._eos_token_ids(resolved.path)
         return ModelInfo(
             served_name=resolved.default_served_name,
             path=str(resolved.path),
@@ -114,8 +118,9 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            eos_token_ids=self._eos_token_ids(resolved.path),
+            eos_token_ids=self.eos_token_ids,
             load_seconds=time.perf_counter() - start,
+            vocab_size=self.hf_config.vocab_size,
             attention_backend=self.attn_backend.name,
         )
 
@@ -149,7 +154,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         input_ids, positions, meta, logits_indices = self._prepare(reqs)
         logits = self.model(input_ids, positions, scratch, meta, logits_indices)
-        sample(logits, [r.sampling_params for r in reqs], [None] * len(reqs))
+        sample(logits, [SampleRow(r.sampling_params, None, [], [], []) for r in reqs])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch, logits
@@ -239,8 +244,15 @@ class ModelRunner:
         """One forward pass and sampling for every scheduled request."""
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+            self.token_ids.pop(req_id, None)
         if not so.scheduled:
             return ModelRunnerOutput({})
+        for r in so.scheduled:
+            known = self.token_ids.setdefault(r.req_id, [])
+            if r.prefix_token_ids is not None:
+                known[:] = r.prefix_token_ids
+            del known[r.num_computed_tokens :]  # recompute after preemption rewrites the tail
+            known.extend(r.token_ids)
         reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) != 1)  # decodes first
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
             logits = self.cuda_graphs.run(reqs)
@@ -252,9 +264,20 @@ class ModelRunner:
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
-        tokens = sample(
-            logits,
-            [r.sampling_params for r in sampled_reqs],
-            [self._generator(r) for r in sampled_reqs],
-        ).tolist()
-        return ModelRunnerOutput({r.req_id: [t] for r, t in zip(sampled_reqs, tokens)})
+        out = sample(logits, [self._row(r) for r in sampled_reqs])
+        return ModelRunnerOutput(
+            {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
+            {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
+        )
+
+    def _row(self, r: ScheduledRequest) -> SampleRow:
+        p = r.sampling_params
+        # Slicing the history costs a copy per step: only for rows that read it.
+        tokens = self.token_ids[r.req_id] if p.needs_history or p.min_tokens else []
+        return SampleRow(
+            params=p, generator=self._generator(r),
+            prompt_ids=tokens[: r.num_prompt_tokens],
+            output_ids=tokens[r.num_prompt_tokens :],
+            stop_ids=[*self.eos_token_ids, *p.stop_token_ids] if not p.ignore_eos
+            else list(p.stop_token_ids),
+        )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
 import signal
 import sys
 
@@ -14,8 +16,17 @@ from actors.config import SchedulerConfig
 from actors.engine import AsyncEngine, EngineConfig
 from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
 from gpu.loader import ModelLoadError
+from server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 log = structlog.get_logger("pagedserve")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        return help_text if "default" in help_text else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve", help="serve a model over the OpenAI API",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file, a Hugging Face folder or hub id; none = the embedded "
@@ -50,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256, help="running requests at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step at most (chunked prefill splits longer prompts)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share KV blocks of common prompt prefixes")
+    s.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash for prefix caching (xxhash: 128-bit xxh3, faster)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs, or priority (request field `priority`, lower runs earlier)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="refuse new requests with 503 while this many wait (default: no limit)")
+    s.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer <key>` on every route but /health "
+                        "(default: $PAGEDSERVE_API_KEY, else none)")
+    s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests may take to finish after SIGTERM")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log prompt and output text (never logged otherwise)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template (file path or inline) overriding the tokenizer's")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
@@ -82,10 +110,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          num_gpu_blocks_override=args.num_gpu_blocks_override),
+                          num_gpu_blocks_override=args.num_gpu_blocks_override,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          prefix_caching_hash_algo=args.prefix_caching_hash_algo),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  policy=args.scheduling_policy,
+                                  max_waiting_requests=args.max_waiting_requests),
     )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_template(value: str | None) -> str | None:
@@ -102,17 +143,31 @@ async def serve(args: argparse.Namespace) -> None:
     from server.launch import hypercorn_config
     from server.serving import ServingConfig
 
+    if args.api_key is None and not _is_loopback(args.host):
+        log.warning("no_api_key_on_public_address", host=args.host,
+                    hint="anyone who reaches this address can use the server: set --api-key")
     engine = await AsyncEngine.start(engine_config(args))
     served = args.served_model_name or engine.info.served_name
-    app = build_app(engine, ServingConfig(served, _read_template(args.chat_template)))
+    serving = ServingConfig(served, _read_template(args.chat_template), args.scheduling_policy,
+                            args.enable_log_requests)
+    app = build_app(engine, serving, args.api_key, args.max_request_body_bytes)
     config = hypercorn_config(args.host, args.port)
     stop = asyncio.Event()
+
+    async def drain_then_stop() -> None:
+        """SIGTERM: refuse new requests, let running ones finish for --shutdown-timeout
+        seconds, abort the rest, then let Hypercorn close (flushing the last stream events)."""
+        await stop.wait()
+        log.info("shutdown_started", timeout_s=args.shutdown_timeout)
+        app.draining = True
+        await engine.drain(args.shutdown_timeout)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("serving", url=f"http://{config.bind[0]}/v1", model=served)
     try:
-        await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+        await hypercorn_serve(app, config, shutdown_trigger=drain_then_stop)
     finally:
         await engine.shutdown()
         log.info("stopped")

@@ -89,16 +89,21 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=kw.pop("max_num_seqs", 64),
             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
+            policy=kw.pop("policy", "fcfs"),
+            max_waiting_requests=kw.pop("max_waiting_requests", None),
         ),
     )
 
 
 @asynccontextmanager
-async def serve(model_dir: Path, name: str = TINY_NAME, **kw) -> AsyncIterator[httpx.AsyncClient]:
+async def serve(model_dir: Path, name: str = TINY_NAME, app_kwargs: dict | None = None,
+                **kw) -> AsyncIterator[httpx.AsyncClient]:
     """Start an engine and a real Hypercorn server on a free loopback port; yield a client."""
-    engine = await AsyncEngine.start(engine_config(model_dir, **kw))
+    config = engine_config(model_dir, **kw)
+    engine = await AsyncEngine.start(config)
     try:
-        async with running_server(engine, ServingConfig(name)) as url:
+        serving = ServingConfig(name, scheduling_policy=config.scheduler.policy)
+        async with running_server(engine, serving, **(app_kwargs or {})) as url:
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 yield client
     finally:
