@@ -105,11 +105,11 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
-        self.eos_token_ids = self._eos_token_ids(resolved.path)
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
+        self.eos_token_ids = self._eos_token_ids(resolved.path)
         return ModelInfo(
             served_name=resolved.default_served_name,
             path=str(resolved.path),
