@@ -24,10 +24,27 @@ log = structlog.get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16), so bfloat16 beats
+    float32 there; elsewhere torch emulates it and float32 is faster."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on the CPU (the parity oracle's dtype), bfloat16 on CUDA."""
+    """``auto``: bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AMX), else float32.
+    Parity with transformers' float32 ``generate`` holds in float32 only; pass it explicitly."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_bf16_matmul():
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
