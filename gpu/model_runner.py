@@ -6,6 +6,7 @@ flattened batch of every scheduled request (prefill chunks and decodes together)
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,20 @@ def cpu_has_bf16_matmul() -> bool:
     except OSError:
         pass
     return False
+
+
+def cpu_threads() -> int:
+    """torch threads for the forward pass: ``PAGEDSERVE_CPU_THREADS``, else all cores but one.
+
+    The event loop (HTTP, SSE, detokenizing) needs a core too; when it shares one with a
+    thread of the forward pass, every parallel region waits for that thread, and on a
+    2-core machine a decode step took several times longer with 2 threads than with 1.
+    """
+    env = os.environ.get("PAGEDSERVE_CPU_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) - 1)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -80,6 +95,8 @@ class ModelRunner:
         mc, cc = self.model_config, self.cache_config
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = pick_dtype(mc.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads())
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
         self.hf_config = loader.load_config(resolved.path)
