@@ -189,7 +189,8 @@ def _stack_params(state: dict[str, torch.Tensor], mapping) -> None:
         for name in [n for n in state if first in n]:
             sources = [name.replace(first, f".{p}.") for p in parts]
             if all(s in state for s in sources):
-                state[name.replace(first, f".{fused}.")] = torch.cat([state.pop(s) for s in sources])
+                fused_name = name.replace(first, f".{fused}.")
+                state[fused_name] = torch.cat([state.pop(s) for s in sources])
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:

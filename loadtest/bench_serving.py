@@ -33,11 +33,17 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -128,8 +134,11 @@ def random_workload(n: int, seed: int, input_len: str, output_len: str,
         system = [{"role": "system", "content": "You are a helpful assistant. Background notes "
                    "follow. " + _text(prefix_rng, prefix_words)}]
     (in_lo, in_hi), (out_lo, out_hi) = _range(input_len), _range(output_len)
-    return [BenchRequest(system + [{"role": "user", "content": _text(rng, rng.randint(in_lo, in_hi))}],
-                         rng.randint(out_lo, out_hi)) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        user = {"role": "user", "content": _text(rng, rng.randint(in_lo, in_hi))}
+        out.append(BenchRequest(system + [user], rng.randint(out_lo, out_hi)))
+    return out
 
 
 def sharegpt_workload(path: str, n: int, seed: int, output_len: str) -> list[BenchRequest]:
@@ -323,7 +332,7 @@ def run_hf_level(args, reqs: list[BenchRequest], batch: int, model, tok) -> dict
             n = min(r.max_tokens, len(clock.times))
             steps = clock.times[:n]
             samples.append(Sample(ok=True, ttft=steps[0] - start, e2e=steps[-1] - start,
-                                  output_tokens=n, itls=[b - a for a, b in zip(steps, steps[1:])]))
+                                  output_tokens=n, itls=[b - a for a, b in zip(steps, steps[1:], strict=False)]))
     wall = time.perf_counter() - t0
     return summarize(samples, wall, backend="hf", max_concurrency=batch, num_prompts=len(reqs),
                      dtype=args.hf_dtype)
@@ -338,14 +347,49 @@ def load_hf(args):
         from gpu import loader
 
         path = str(loader.resolve_model(None).path)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # As the server's forward pass: all cores but one unless told (see gpu/model_runner.py).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(args.threads or max(1, (cores or 1) - 1))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.hf_dtype]
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, tok
+
+
+# -- a server of our own ----------------------------------------------------------------------
+
+
+@contextmanager
+def launched_server(args):
+    """``--launch``: run ``pagedserve serve`` (next to this Python) on a free port for the run."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "pagedserve"), "serve", "--port", str(port),
+           *shlex.split(args.server_args)]
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"bench_serving: {' '.join(cmd)} did not start (see --server-log)")
+            time.sleep(0.5)
+        yield f"{url}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -388,6 +432,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["openai", "hf", "both"], default="openai")
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--launch", action="store_true",
+                   help="start `pagedserve serve` on a free port for the run (ignores --base-url)")
+    p.add_argument("--server-args", default="", help="extra flags for the launched server")
+    p.add_argument("--server-log", default=None, help="file for the launched server's log")
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--api-key", default="")
     p.add_argument("--dataset", default="loadgen",
@@ -407,10 +455,16 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--hf-model", default=None, help="baseline model dir (default: embedded)")
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads for the baseline")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the baseline (default: cores - 1, as the server)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of the sweep")
     return p.parse_args(argv)
+
+
+@contextmanager
+def _given(url: str):
+    yield url
 
 
 def main(argv=None) -> int:
@@ -423,14 +477,16 @@ def main(argv=None) -> int:
         sys.exit("bench_serving: give one --num-prompts or one per --max-concurrency level")
     results = []
     if args.backend in ("openai", "both"):
-        for c, n in zip(levels, counts):
-            r = asyncio.run(run_server_level(args, build_workload(args, n), c))
-            print(_row(r), flush=True)
-            results.append(r)
+        with launched_server(args) if args.launch else _given(args.base_url) as url:
+            args.base_url = url
+            for c, n in zip(levels, counts, strict=True):
+                r = asyncio.run(run_server_level(args, build_workload(args, n), c))
+                print(_row(r), flush=True)
+                results.append(r)
     if args.backend in ("hf", "both"):
         model, tok = load_hf(args)
         run_hf_level(args, build_workload(args, 1)[:1], 1, model, tok)  # warm-up
-        for c, n in zip(levels, counts):
+        for c, n in zip(levels, counts, strict=True):
             r = run_hf_level(args, build_workload(args, n), c, model, tok)
             print(_row(r), flush=True)
             results.append(r)
