@@ -331,8 +331,9 @@ def run_hf_level(args, reqs: list[BenchRequest], batch: int, model, tok) -> dict
         for r in group:
             n = min(r.max_tokens, len(clock.times))
             steps = clock.times[:n]
+            gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
             samples.append(Sample(ok=True, ttft=steps[0] - start, e2e=steps[-1] - start,
-                                  output_tokens=n, itls=[b - a for a, b in zip(steps, steps[1:], strict=False)]))
+                                  output_tokens=n, itls=gaps))
     wall = time.perf_counter() - t0
     return summarize(samples, wall, backend="hf", max_concurrency=batch, num_prompts=len(reqs),
                      dtype=args.hf_dtype)
