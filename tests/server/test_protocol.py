@@ -282,3 +282,36 @@ async def test_api_key(tiny_model_dir):
                               headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
         assert (await client.get("/admin/stats")).status_code == 401
+
+
+async def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if shout %}LOUD {% endif %}assistant:")
+    serving = ServingConfig("tiny-llama", chat_template=template)
+    async with serve(tiny_model_dir, serving=serving) as client:
+        from tests.conftest import hf_tokenizer
+
+        tok = hf_tokenizer(str(tiny_model_dir))
+        for kwargs, tail in (({"shout": True}, "LOUD assistant:"), ({}, "\nassistant:")):
+            r = await post(client, "/v1/chat/completions", messages=MSG, max_tokens=1,
+                           chat_template_kwargs=kwargs, return_token_ids=True)
+            assert tok.decode(r.json()["prompt_token_ids"]).endswith(tail)
+
+
+async def test_prompt_text_is_logged_only_when_asked(tiny_model_dir, capsys):
+    secret = "my-private-prompt-text"
+    for verbose in (False, True):
+        serving = ServingConfig("tiny-llama", enable_log_requests=verbose)
+        async with serve(tiny_model_dir, serving=serving) as client:
+            await chat(client, secret, max_tokens=2)
+        out = capsys.readouterr().out
+        assert "request_done" in out and "ttft_s=" in out and "finish_reason=" in out
+        assert (secret in out) == verbose
+
+
+def test_api_key_from_environment(monkeypatch):
+    from server.cli import build_parser
+
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"

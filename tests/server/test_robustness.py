@@ -242,3 +242,28 @@ def test_sigterm_drains_running_requests_then_exits_zero(tiny_model_dir):
             proc.kill()
         out = proc.stdout.read()
     assert "Traceback" not in out, out
+
+
+async def test_tokenizer_failure_fails_only_its_request(tiny_model_dir):
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir))
+    real = engine.tokenizer.encode  # fault injection: encode fails for one marked prompt
+
+    def faulty(text, *a, **kw):
+        if "TOKFAIL" in text:
+            raise RuntimeError("injected tokenizer fault")
+        return real(text, *a, **kw)
+
+    engine.tokenizer.encode = faulty
+    try:
+        async with running_server(engine, ServingConfig("tiny-llama")) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                other = asyncio.create_task(chat(client, "fine", max_tokens=20, ignore_eos=True))
+                r = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "TOKFAIL"}]})
+                assert r.status_code == 500
+                assert "injected tokenizer fault" in r.json()["error"]["message"]
+                assert len((await other)["choices"][0]["token_ids"]) == 20
+                s = await stats(client)
+                assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+    finally:
+        await engine.shutdown()
