@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -24,10 +25,13 @@ from actors.kv_cache_manager import KVCacheManager
 from actors.messages import AbortRequest, AddRequest, GetStats
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
+from actors.structured_output import GrammarError, StructuredOutputConfig, StructuredOutputManager
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelInfo, ModelRunner
-from gpu.sampling_params import SamplingParams
+from gpu.sampling_params import SamplingParams, StructuredOutputsParams
+
+__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "GenerationDelta", "GrammarError"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +45,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 @dataclass(slots=True)
@@ -66,7 +71,7 @@ class AsyncEngine:
 
     def __init__(
         self, config: EngineConfig, info: ModelInfo, tokenizer: PreTrainedTokenizerBase,
-        scheduler: Scheduler, executor: Executor,
+        scheduler: Scheduler, executor: Executor, structured_output: StructuredOutputManager,
     ):
         self.config = config
         self.info = info
@@ -74,6 +79,7 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.executor = executor
         self._eos = frozenset(info.eos_token_ids)
+        self.structured_output = structured_output
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -94,6 +100,9 @@ class AsyncEngine:
                 f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
             )
         kv = KVCacheManager(info.num_blocks, info.block_size)
+        vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
+        structured_output = StructuredOutputManager(
+            tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
         scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len)
         executor.start()
         scheduler.start()
@@ -109,7 +118,7 @@ class AsyncEngine:
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
             load_seconds=round(info.load_seconds, 2),
         )
-        return cls(config, info, tokenizer, scheduler, executor)
+        return cls(config, info, tokenizer, scheduler, executor, structured_output)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -121,6 +130,9 @@ class AsyncEngine:
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_output.request_for(
+                params.structured_outputs)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self.scheduler.send(AddRequest(request))
         num_output = 0
@@ -143,6 +155,14 @@ class AsyncEngine:
             if not ended_in_engine:
                 self.scheduler.send(AbortRequest(request_id))
 
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile (or find cached) a guided-decoding constraint before starting a request.
+
+        Raises:
+            GrammarError: the constraint is invalid or took longer than the compile timeout.
+        """
+        await self.structured_output.compile(spec)
+
     async def get_stats(self) -> dict[str, Any]:
         """A snapshot from the scheduler actor, asked by message."""
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -157,3 +177,4 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         await self.scheduler.stop()
         await self.executor.stop()
+        self.structured_output.shutdown()

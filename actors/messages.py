@@ -26,6 +26,13 @@ class AbortRequest:
 
 
 @dataclass(slots=True)
+class GrammarReady:
+    """Grammar compile → scheduler: a request parked in ``WAITING_FOR_GRAMMAR`` can go on."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
 class GetStats:
     """Anyone → scheduler: reply with a stats snapshot (a plain dict)."""
 

@@ -6,12 +6,17 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpu.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # guided; its grammar is still compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -66,6 +71,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_token_time: float | None = None
+    structured_output: StructuredOutputRequest | None = None  # guided decoding state
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -24,8 +24,9 @@ import structlog
 from actors.actor import Actor
 from actors.config import SchedulerConfig
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, ExecuteModel, GetStats
+from actors.messages import AbortRequest, AddRequest, ExecuteModel, GetStats, GrammarReady
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from actors.structured_output import advance, grammar_bitmask
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,7 @@ class Scheduler(Actor):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
         self.num_steps = 0
@@ -85,6 +87,8 @@ class Scheduler(Actor):
             self.add_request(msg.request)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.request_id)
+        elif isinstance(msg, GrammarReady):
+            self._grammar_ready(msg.request_id)
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
@@ -100,6 +104,28 @@ class Scheduler(Actor):
             )
             return
         self.requests[request.request_id] = request
+        so = request.structured_output
+        if so is not None and not (so.ready and so.error is None):
+            # Park it until its compile ends (GrammarReady); the others keep running.
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[request.request_id] = request
+            so.notify_when_ready(asyncio.get_running_loop(),
+                                 lambda: self.send(GrammarReady(request.request_id)))
+            return
+        self.waiting.append(request)
+
+    def _grammar_ready(self, request_id: str) -> None:
+        """A parked request's compile ended: queue it, or fail it with the compile error."""
+        request = self.waiting_for_grammar.get(request_id)
+        if request is None:
+            return  # aborted meanwhile
+        error = request.structured_output.error  # type: ignore[union-attr]
+        if error is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            request.output_queue.put_nowait(RequestOutput([], "error", error))
+            return
+        del self.waiting_for_grammar[request_id]
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -110,6 +136,8 @@ class Scheduler(Actor):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[request.request_id]
         else:
             self.waiting.remove(request)
         request.status = status
@@ -164,6 +192,8 @@ class Scheduler(Actor):
             scheduled.append(self._scheduled(request, n))
             budget -= n
         so = SchedulerOutput(scheduled, self.finished_req_ids)
+        so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
+            scheduled, self.requests)
         self.finished_req_ids = set()
         return so
 
@@ -196,7 +226,7 @@ class Scheduler(Actor):
             if request.first_token_time is None:
                 request.first_token_time = now
             request.output_token_ids.extend(new)
-            status = self._check_stop(request)
+            status = advance(request, new) or self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
             request.output_queue.put_nowait(RequestOutput(new, FINISH_REASONS.get(status)))
@@ -226,6 +256,7 @@ class Scheduler(Actor):
         return {
             "scheduler": {
                 "num_waiting": len(self.waiting),
+                "num_waiting_for_grammar": len(self.waiting_for_grammar),
                 "num_running": len(self.running),
                 "num_preempted_total": self.num_preemptions,
                 "num_steps_total": self.num_steps,

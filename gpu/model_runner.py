@@ -16,6 +16,7 @@ from gpu import kv_cache, loader
 from gpu.attention import AttentionMetadata, TorchAttentionBackend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
+from gpu.grammar_bitmask import apply_grammar_bitmask
 from gpu.models.llama import LlamaForCausalLM
 from gpu.sampler import sample
 
@@ -174,6 +175,9 @@ class ModelRunner:
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
+        if so.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
+                                  [r.req_id for r in sampled_reqs])
         tokens = sample(
             logits,
             [r.sampling_params for r in sampled_reqs],

@@ -3,6 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A guided-decoding constraint (vLLM's ``StructuredOutputsParams``); exactly one of
+    ``json``, ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF) or ``json_object`` is set.
+
+    Attributes:
+        json: a JSON schema (dict or its text).
+        regex: the whole output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar in xgrammar's dialect (start rule ``root``).
+        json_object: any JSON object.
+        disable_any_whitespace: JSON in its compact form, no free whitespace between tokens.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds that are set (valid params have exactly one)."""
+        set_ = {"json": self.json is not None, "regex": self.regex is not None,
+                "choice": self.choice is not None, "grammar": self.grammar is not None,
+                "json_object": self.json_object}
+        return [k for k, on in set_.items() if on]
 
 
 @dataclass(slots=True)
@@ -19,6 +49,7 @@ class SamplingParams:
         stop_token_ids: token ids that end the output besides EOS.
         ignore_eos: keep generating past EOS (benchmarks).
         skip_special_tokens: leave special tokens out of the text.
+        structured_outputs: a guided-decoding constraint, or ``None``.
     """
 
     temperature: float = 1.0
@@ -30,6 +61,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:

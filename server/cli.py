@@ -12,6 +12,7 @@ import structlog
 
 from actors.config import SchedulerConfig
 from actors.engine import AsyncEngine, EngineConfig
+from actors.structured_output import StructuredOutputConfig
 from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
 from gpu.loader import ModelLoadError
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template (file path or inline) overriding the tokenizer's")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="device; default: CUDA when present")
+    s.add_argument("--structured-output-compile-timeout", type=float, default=5.0,
+                   help="seconds a guided-decoding grammar may take to compile before the "
+                        "request gets a 400")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level")
     return parser
@@ -82,6 +86,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           num_gpu_blocks_override=args.num_gpu_blocks_override),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
+        structured_output=StructuredOutputConfig(
+            compile_timeout_s=args.structured_output_compile_timeout),
     )
 
 

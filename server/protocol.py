@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.structured_output import StructuredOutputFields
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -29,7 +31,7 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(StructuredOutputFields, _Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)

@@ -21,7 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from actors.engine import AsyncEngine, EngineError, GenerationDelta
+from actors.engine import AsyncEngine, EngineError, GenerationDelta, GrammarError
 from gpu.sampling_params import SamplingParams
 from server.errors import OpenAIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -94,6 +94,18 @@ class Serving:
             skip_special_tokens=body.skip_special_tokens,
         )
 
+    async def _structured_outputs(self, body: Any, params: SamplingParams) -> None:
+        """Attach the request's guided-decoding constraint, compiled now so that a bad one is a
+        400 before any stream starts."""
+        spec, param = body.structured_outputs_params()
+        if spec is None:
+            return
+        try:
+            await self.engine.compile_grammar(spec)
+        except GrammarError as e:
+            raise OpenAIError(str(e), param=param) from e
+        params.structured_outputs = spec
+
     # -- endpoints ---------------------------------------------------------------------------
 
     async def chat(self, request: Request):
@@ -110,6 +122,7 @@ class Serving:
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = self._sampling_params(body, len(prompt_ids), max_tokens)
+        await self._structured_outputs(body, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.engine.generate(request_id, prompt_ids, params)
         meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=True,
@@ -123,6 +136,7 @@ class Serving:
         self._check_model(body.model)
         prompt_ids = self.tokenizer.encode(body.prompt)
         params = self._sampling_params(body, len(prompt_ids), body.max_tokens)
+        await self._structured_outputs(body, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = self.engine.generate(request_id, prompt_ids, params)
         meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=False,
