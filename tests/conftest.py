@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from actors.config import SchedulerConfig
 from actors.engine import AsyncEngine, EngineConfig
+from actors.structured_output import StructuredOutputConfig
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from server.launch import running_server
@@ -89,6 +90,8 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
             max_num_seqs=kw.pop("max_num_seqs", 64),
             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
         ),
+        structured_output=StructuredOutputConfig(
+            compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),
     )
 
 
