@@ -74,13 +74,46 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks, with reference counts and the free queue."""
+    """All KV blocks, with reference counts, the free queue and the prefix-cache index.
+
+    A freed block keeps its hash and stays findable until it is handed out again: the free
+    queue's head is the least recently used cached block, evicted first.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Index a block whose tokens are all known; a hash already indexed keeps its block."""
+        if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference to prefix-cache hits; an unused hit leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody holds; returns how many were dropped."""
+        dropped = [b for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0]
+        for block in dropped:
+            self._evict(block)
+        return len(dropped)
 
     @property
     def num_blocks(self) -> int:
@@ -100,8 +133,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_block_queue.popleft()
+            self._evict(block)  # LRU: the head is the least recently used cached block
             block.ref_cnt = 1
-            block.block_hash = None
             out.append(block)
         return out
 

@@ -10,7 +10,9 @@ class SchedulerConfig:
     """Attributes:
     max_num_seqs: running requests at most.
     max_num_batched_tokens: tokens computed in one step at most (prefill chunks + decodes).
+    policy: ``fcfs`` or ``priority`` (request field ``priority``, lower runs earlier).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"

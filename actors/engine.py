@@ -22,7 +22,7 @@ from actors.config import SchedulerConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.executor import Executor
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, GetStats
+from actors.messages import AbortRequest, AddRequest, GetStats, ResetPrefixCache
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
 from actors.structured_output import GrammarError, StructuredOutputConfig, StructuredOutputManager
@@ -99,7 +99,10 @@ class AsyncEngine:
                 f"max_model_len={info.max_model_len}: raise --kv-cache-memory-bytes / "
                 f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
             )
-        kv = KVCacheManager(info.num_blocks, info.block_size)
+        kv = KVCacheManager(
+            info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
+            config.cache.prefix_caching_hash_algo,
+        )
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
@@ -121,15 +124,21 @@ class AsyncEngine:
         return cls(config, info, tokenizer, scheduler, executor, structured_output)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Run one request, yielding text deltas until it finishes.
+
+        Args:
+            priority: lower runs earlier under the ``priority`` scheduling policy.
+            cache_salt: isolates the request's prefix-cache blocks from other salts.
 
         Raises:
             EngineError: the request failed inside the engine.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos)
+        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
+                          priority=priority, cache_salt=cache_salt)
         if params.structured_outputs is not None:
             request.structured_output = self.structured_output.request_for(
                 params.structured_outputs)
@@ -173,6 +182,12 @@ class AsyncEngine:
                           "max_model_len": self.info.max_model_len}
         stats["time"] = time.time()
         return stats
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds; returns how many."""
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(ResetPrefixCache(reply))
+        return await reply
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

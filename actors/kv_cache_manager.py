@@ -1,52 +1,125 @@
-"""Which blocks each request holds (vLLM V1's ``vllm/v1/core/kv_cache_manager.py``, trimmed).
+"""Which blocks each request holds, and the prefix cache that lets requests share them
+(vLLM V1's ``vllm/v1/core/kv_cache_manager.py``, trimmed).
 
 ::
 
-    request tokens:  | computed (cached K/V) | new this step | (future) |
-    blocks held:     | ceil((computed + new) / block_size) blocks     |
+    request tokens: | prefix-cache hit | computed earlier | new this step | (future) |
+    blocks held:    | shared, ref_cnt++ | ceil((computed + new) / block_size) blocks in all |
 
-``allocate_slots`` grows a request's block list so its computed plus new tokens fit.
+``get_computed_blocks`` finds the longest cached prefix of a request that is about to be
+(re)admitted; ``allocate_slots`` takes those blocks plus fresh ones so that the computed and new
+tokens fit, and indexes every block that this step fills, so a request admitted later, even in
+the same step, can share it (within one forward pass every layer writes all K/V of the batch
+before any attention reads them).
 """
 
 from __future__ import annotations
 
 from actors.block_pool import BlockPool, KVCacheBlock
+from actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
 from actors.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    """Args:
+    num_blocks: blocks in the pool.
+    block_size: tokens per block.
+    enable_caching: automatic prefix caching on/off.
+    hash_algo: ``sha256`` or ``xxhash`` (128-bit).
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True,
+        hash_algo: str = "sha256",
+    ):
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"unknown prefix-caching hash {hash_algo!r}")
         self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = HASH_FUNCTIONS[hash_algo]
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Prefix-cache counters, in tokens (filled once prefix caching lands).
+        # Prefix-cache counters, in prompt tokens looked up / found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+    def update_block_hashes(self, request: Request) -> None:
+        """Hash the request's newly full blocks (prompt at arrival, then generated tokens)."""
+        if self.enable_caching and request.num_tokens // self.block_size > len(request.block_hashes):
+            extend_block_hashes(self.hash_fn, request.block_hashes, request.all_token_ids,
+                                self.block_size, request.cache_salt)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request``: the blocks and the tokens they hold.
+
+        Capped so the last known token is always computed: its logits give the next token.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        Args:
+            new_computed_blocks: prefix-cache hits from ``get_computed_blocks`` (admission only);
+                their tokens count as computed, on top of ``request.num_computed_tokens``.
 
         Returns:
             The newly taken blocks (possibly none), or ``None`` when too few blocks are free;
             then nothing is taken.
         """
+        hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if needed <= 0:
-            return []
-        if needed > self.block_pool.get_num_free_blocks():
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = self.num_blocks_needed(total) - len(blocks) - len(hits)
+        # Hits nobody holds sit in the free queue: taking them uses up free blocks too.
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(needed, 0) + evictable_hits > self.block_pool.get_num_free_blocks():
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
             return None
-        new = self.block_pool.get_new_blocks(needed)
+        if hits:
+            self.block_pool.touch(hits)
+            blocks.extend(hits)
+        new = self.block_pool.get_new_blocks(needed) if needed > 0 else []
         blocks.extend(new)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total)
         return new
 
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int):
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for block, block_hash in zip(blocks[:num_full], request.block_hashes[:num_full]):
+            if block.block_hash is None:
+                self.block_pool.cache_full_block(block, block_hash)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
     def free(self, request: Request) -> None:
-        """Release every block of the request, tail first (LRU keeps chain heads longest)."""
+        """Release every block of the request, tail first: in the LRU free queue a chain's tail
+        is then evicted before its parents, which other prompts are likelier to share."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -54,7 +127,7 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks that hold a prefix-cache hash (in use or evictable)."""
-        return sum(1 for b in self.block_pool.blocks if b.block_hash is not None)
+        return len(self.block_pool.cached_block_hash_to_block)
 
     @property
     def usage(self) -> float:

@@ -40,6 +40,13 @@ class GetStats:
 
 
 @dataclass(slots=True)
+class ResetPrefixCache:
+    """Admin → scheduler: forget cached blocks nobody holds; replies with how many."""
+
+    reply: asyncio.Future[int]
+
+
+@dataclass(slots=True)
 class ExecuteModel:
     """Scheduler → executor: run one step; the reply carries the sampled tokens."""
 

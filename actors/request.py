@@ -65,12 +65,16 @@ class Request:
     sampling_params: SamplingParams
     output_queue: asyncio.Queue[RequestOutput]
     eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs earlier (vLLM's convention), under --scheduling-policy priority
+    cache_salt: str | None = None  # enters the first block's hash: tenants never share blocks
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     first_token_time: float | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
 
     @property

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from typing import Any
 
 import structlog
@@ -24,8 +23,16 @@ import structlog
 from actors.actor import Actor
 from actors.config import SchedulerConfig
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, ExecuteModel, GetStats, GrammarReady
+from actors.messages import (
+    AbortRequest,
+    AddRequest,
+    ExecuteModel,
+    GetStats,
+    GrammarReady,
+    ResetPrefixCache,
+)
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from actors.request_queue import make_request_queue
 from actors.structured_output import advance, grammar_bitmask
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -44,13 +51,14 @@ class Scheduler(Actor):
         self.kv = kv_cache_manager
         self.executor = executor
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -92,6 +100,9 @@ class Scheduler(Actor):
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
+        elif isinstance(msg, ResetPrefixCache):
+            if not msg.reply.done():
+                msg.reply.set_result(self.kv.reset_prefix_cache())
         else:
             raise TypeError(f"scheduler got an unknown message {msg!r}")
 
@@ -104,6 +115,7 @@ class Scheduler(Actor):
             )
             return
         self.requests[request.request_id] = request
+        self.kv.update_block_hashes(request)
         so = request.structured_output
         if so is not None and not (so.ready and so.error is None):
             # Park it until its compile ends (GrammarReady); the others keep running.
@@ -112,7 +124,7 @@ class Scheduler(Actor):
             so.notify_when_ready(asyncio.get_running_loop(),
                                  lambda: self.send(GrammarReady(request.request_id)))
             return
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def _grammar_ready(self, request_id: str) -> None:
         """A parked request's compile ended: queue it, or fail it with the compile error."""
@@ -126,7 +138,7 @@ class Scheduler(Actor):
             return
         del self.waiting_for_grammar[request_id]
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -152,7 +164,7 @@ class Scheduler(Actor):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         log.debug("preempted", request_id=request.request_id)
 
     # -- one step ---------------------------------------------------------------------------
@@ -160,6 +172,10 @@ class Scheduler(Actor):
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        if self.config.policy == "priority":
+            # Best first, so the victim of preemption is always the last running request.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            self._preempt_for_priority(budget)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -182,11 +198,14 @@ class Scheduler(Actor):
             self.waiting and budget > 0 and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, n) is None:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, n, hits) is None:
                 break
-            self.waiting.popleft()
+            self.kv.record_lookup(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, n))
@@ -196,6 +215,20 @@ class Scheduler(Actor):
             scheduled, self.requests)
         self.finished_req_ids = set()
         return so
+
+    def _preempt_for_priority(self, budget: int) -> None:
+        """A waiting request of strictly higher priority (lower value) than the worst running
+        one takes its place when the batch is full or the blocks are short."""
+        if not self.waiting:
+            return
+        head = self.waiting.peek()
+        need = self.kv.num_blocks_needed(min(head.num_tokens, budget))
+        while self.running and head.priority < self.running[-1].priority:
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            blocks_short = need > self.kv.block_pool.get_num_free_blocks()
+            if not (seats_full or blocks_short):
+                return
+            self._preempt(self.running.pop())
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -214,6 +247,7 @@ class Scheduler(Actor):
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         self.num_steps += 1
+        self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
         for sr in so.scheduled:
             request = self.requests.get(sr.req_id)
@@ -226,6 +260,7 @@ class Scheduler(Actor):
             if request.first_token_time is None:
                 request.first_token_time = now
             request.output_token_ids.extend(new)
+            self.kv.update_block_hashes(request)
             status = advance(request, new) or self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
@@ -260,11 +295,18 @@ class Scheduler(Actor):
                 "num_running": len(self.running),
                 "num_preempted_total": self.num_preemptions,
                 "num_steps_total": self.num_steps,
+                "num_computed_tokens_total": self.num_computed_tokens_total,
+                "policy": self.config.policy,
             },
             "kv_cache": {
                 "block_size": self.kv.block_size,
                 "num_blocks": pool.num_blocks,
                 "num_free_blocks": pool.get_num_free_blocks(),
+                "num_cached_blocks": self.kv.num_cached_blocks,
                 "usage": round(pool.get_usage(), 6),
+                "prefix_cache_queries": self.kv.prefix_cache_queries,
+                "prefix_cache_hits": self.kv.prefix_cache_hits,
+                "prefix_cache_hit_rate": round(
+                    self.kv.prefix_cache_hits / max(self.kv.prefix_cache_queries, 1), 6),
             },
         }

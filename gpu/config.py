@@ -36,9 +36,13 @@ class CacheConfig:
         kv_cache_memory_bytes: KV budget on the CPU (bytes).
         gpu_memory_utilization: share of GPU memory the engine may use on CUDA.
         num_gpu_blocks_override: force this many blocks (tests use it to force preemption).
+        enable_prefix_caching: share the KV blocks of common prompt prefixes.
+        prefix_caching_hash_algo: ``sha256`` or ``xxhash`` (128-bit) block hashes.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"

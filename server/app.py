@@ -34,6 +34,9 @@ def build_app(engine: AsyncEngine, config: ServingConfig) -> Starlette:
     async def admin_stats(request: Request) -> JSONResponse:
         return JSONResponse(await engine.get_stats())
 
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})
+
     async def on_openai_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, OpenAIError)
         return exc.response()
@@ -52,6 +55,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/admin/stats", admin_stats, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     return Starlette(
         routes=routes,

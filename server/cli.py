@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256, help="running requests at most")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step at most (chunked prefill splits longer prompts)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share KV blocks of common prompt prefixes")
+    s.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
+                   help="block hash for prefix caching (xxhash: 128-bit xxh3, faster)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs, or priority (request field `priority`, lower runs earlier)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template (file path or inline) overriding the tokenizer's")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
@@ -83,9 +89,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          num_gpu_blocks_override=args.num_gpu_blocks_override),
+                          num_gpu_blocks_override=args.num_gpu_blocks_override,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          prefix_caching_hash_algo=args.prefix_caching_hash_algo),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  policy=args.scheduling_policy),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=args.structured_output_compile_timeout),
     )
@@ -107,7 +116,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     engine = await AsyncEngine.start(engine_config(args))
     served = args.served_model_name or engine.info.served_name
-    app = build_app(engine, ServingConfig(served, _read_template(args.chat_template)))
+    app = build_app(engine, ServingConfig(served, _read_template(args.chat_template),
+                                          args.scheduling_policy))
     config = hypercorn_config(args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -44,6 +44,8 @@ class _SamplingBody(StructuredOutputFields, _Body):
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
+    priority: int = 0  # vLLM: lower runs earlier; needs --scheduling-policy priority
+    cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache isolation
     return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
 
 

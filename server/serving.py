@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 class ServingConfig:
     served_model_name: str
     chat_template: str | None = None
+    scheduling_policy: str = "fcfs"
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -106,6 +107,14 @@ class Serving:
             raise OpenAIError(str(e), param=param) from e
         params.structured_outputs = spec
 
+    def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: Any):
+        if body.priority != 0 and self.config.scheduling_policy != "priority":
+            raise OpenAIError(
+                "priority is only honoured with --scheduling-policy priority", param="priority"
+            )
+        return self.engine.generate(request_id, prompt_ids, params, priority=body.priority,
+                                    cache_salt=body.cache_salt)
+
     # -- endpoints ---------------------------------------------------------------------------
 
     async def chat(self, request: Request):
@@ -124,7 +133,7 @@ class Serving:
         params = self._sampling_params(body, len(prompt_ids), max_tokens)
         await self._structured_outputs(body, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.engine.generate(request_id, prompt_ids, params)
+        stream = self._start(request_id, prompt_ids, params, body)
         meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=True,
                      prompt_token_ids=prompt_ids if body.return_token_ids else None)
         if body.stream:
@@ -138,7 +147,7 @@ class Serving:
         params = self._sampling_params(body, len(prompt_ids), body.max_tokens)
         await self._structured_outputs(body, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.engine.generate(request_id, prompt_ids, params)
+        stream = self._start(request_id, prompt_ids, params, body)
         meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=False,
                      prompt_token_ids=prompt_ids if body.return_token_ids else None)
         if body.stream:

@@ -89,6 +89,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=kw.pop("max_num_seqs", 64),
             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
+            policy=kw.pop("policy", "fcfs"),
         ),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),
@@ -98,9 +99,11 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
 @asynccontextmanager
 async def serve(model_dir: Path, name: str = TINY_NAME, **kw) -> AsyncIterator[httpx.AsyncClient]:
     """Start an engine and a real Hypercorn server on a free loopback port; yield a client."""
-    engine = await AsyncEngine.start(engine_config(model_dir, **kw))
+    config = engine_config(model_dir, **kw)
+    engine = await AsyncEngine.start(config)
     try:
-        async with running_server(engine, ServingConfig(name)) as url:
+        serving = ServingConfig(name, scheduling_policy=config.scheduler.policy)
+        async with running_server(engine, serving) as url:
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 yield client
     finally:

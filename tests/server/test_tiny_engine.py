@@ -175,6 +175,7 @@ async def test_models_and_health(client):
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, 400, "temperature"),
         ({"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "priority": 3}, 400, "priority"),
     ],
 )
 async def test_bad_input_gets_openai_error(client, body, status, param):
