@@ -33,6 +33,6 @@ def apply_grammar_bitmask(
     if full.shape[1] * 32 < vocab:  # grammar vocab shorter than the model's: ban the padding
         logits[indices, full.shape[1] * 32 :] = float("-inf")
     xgr.apply_token_bitmask_inplace(
-        logits, full.to(logits.device, non_blocking=True), vocab_size=min(vocab, full.shape[1] * 32),
-        indices=indices,
+        logits, full.to(logits.device, non_blocking=True),
+        vocab_size=min(vocab, full.shape[1] * 32), indices=indices,
     )
