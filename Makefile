@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
+CHROMIUM := /usr/bin/chromium
+
 .PHONY: serve test bench clean
 
 $(STAMP): pyproject.toml Makefile
@@ -18,7 +20,12 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
-test: $(STAMP)
+# The browser tests drive Debian's chromium through playwright (never `playwright install`).
+$(CHROMIUM):
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) sh -c \
+	  'apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium'
+
+test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/pytest -q -x --durations=15 tests
 
 bench: $(STAMP)

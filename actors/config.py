@@ -11,8 +11,11 @@ class SchedulerConfig:
     max_num_seqs: running requests at most.
     max_num_batched_tokens: tokens computed in one step at most (prefill chunks + decodes).
     policy: ``fcfs`` or ``priority`` (request field ``priority``, lower runs earlier).
+    max_waiting_requests: new requests are refused (HTTP 503) while this many wait;
+        ``None`` = unbounded.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
+    max_waiting_requests: int | None = None

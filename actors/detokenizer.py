@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
             skip_special_tokens=params.skip_special_tokens,
         )
         self._stops = [s for s in params.stop if s]
+        self._include_stop = params.include_stop_str_in_output
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self.text = ""
         self._emitted = 0
@@ -62,7 +63,8 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self._stops if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)[0]]
+        at, stop = min(hits)
+        self.text = self.text[: at + len(stop) if self._include_stop else at]
         self.stop_reason = "stop"
         return True
 

@@ -1,9 +1,9 @@
 """The engine as the HTTP layer sees it: start the actors, run one request as a task.
 
-``AsyncEngine.generate`` is the *request task* of DESIGN.md: it owns the request's output queue,
-sends ``AddRequest`` to the scheduler, detokenizes what comes back, applies stop strings and,
-in its ``finally``, sends ``AbortRequest`` when the request did not end by itself (client gone,
-stop string matched), so the scheduler frees its blocks before the next step.
+``AsyncEngine.add_request`` + ``RequestStream`` are the *request task* of DESIGN.md: the task
+owns the request's output queue, sends ``AddRequest`` to the scheduler, detokenizes what comes
+back, applies stop strings and, when it stops reading early (client gone, stop string matched),
+sends ``AbortRequest``, so the scheduler frees the blocks before its next step.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from contextlib import aclosing
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +21,21 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.config import SchedulerConfig
 from actors.detokenizer import IncrementalDetokenizer
+from actors.errors import EngineError, EngineShuttingDown
 from actors.executor import Executor
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortRequest, AddRequest, GetStats, ResetPrefixCache
+from actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
-from actors.structured_output import GrammarError, StructuredOutputConfig, StructuredOutputManager
+from actors.stats import RequestUpdate, StatLogger
+from actors.structured_output import StructuredOutputConfig, StructuredOutputManager
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelInfo, ModelRunner
+from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineError", "GenerationDelta", "GrammarError"]
-
 log = structlog.get_logger(__name__)
-
-
-class EngineError(RuntimeError):
-    """A request failed inside the engine (its step raised); other requests carry on."""
 
 
 @dataclass(slots=True)
@@ -57,6 +55,7 @@ class GenerationDelta:
         token_ids: tokens sampled since the last delta.
         finish_reason: ``stop``/``length`` on the last delta, else ``None``.
         num_prompt_tokens, num_output_tokens: usage so far.
+        logprobs: one per token in ``token_ids``, when the request asked for them.
     """
 
     text: str
@@ -64,6 +63,110 @@ class GenerationDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class _Lease:
+    """Whether the scheduler still holds a request; ``release`` aborts it at most once."""
+
+    __slots__ = ("scheduler", "request_id", "live")
+
+    def __init__(self, scheduler: Scheduler, request_id: str):
+        self.scheduler, self.request_id, self.live = scheduler, request_id, True
+
+    def release(self) -> None:
+        if self.live:
+            self.live = False
+            self.scheduler.send(AbortRequest(self.request_id))
+
+
+class _RequestMetrics:
+    """Reports one request's tokens (TTFT, then inter-token latency) and its end, as the
+    client sees them, to the engine's stat loggers (the server's Prometheus metrics)."""
+
+    __slots__ = ("loggers", "last_token_time")
+
+    def __init__(self, loggers: list[StatLogger]):
+        self.loggers = loggers
+        self.last_token_time: float | None = None
+
+    def tokens(self, request: Request, n: int) -> None:
+        if not self.loggers or not n:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            update = RequestUpdate(request.num_prompt_tokens, n,
+                                   ttft_s=now - request.arrival_time)
+        else:
+            update = RequestUpdate(0, n, itl_s=now - self.last_token_time)
+        self.last_token_time = now
+        self._send(update)
+
+    def finished(self, request: Request, finish: str | None) -> None:
+        if self.loggers:  # no finish reason here means the client went away
+            self._send(RequestUpdate(finish_reason=finish or "abort",
+                                     e2e_s=time.monotonic() - request.arrival_time))
+
+    def _send(self, update: RequestUpdate) -> None:
+        for logger in self.loggers:
+            logger.record_request(update)
+
+
+class RequestStream:
+    """One request's deltas, read by its request task.
+
+    The request ends by itself (EOS, length, error) or is aborted: when a stop string matches,
+    when the reader closes the stream early (client gone), or, as a safety net, when the stream
+    is dropped without ever being read. Either way the scheduler frees its blocks.
+    """
+
+    def __init__(self, scheduler: Scheduler, request: Request, detok: IncrementalDetokenizer,
+                 metrics: _RequestMetrics):
+        self.request_id = request.request_id
+        self._lease = _Lease(scheduler, request.request_id)
+        # The generator holds the lease, not this object, so dropping the stream frees it now.
+        self._it = _deltas(request, detok, self._lease, metrics)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        await self._it.aclose()
+        self._lease.release()
+
+    def __del__(self) -> None:
+        self._lease.release()
+
+
+async def _deltas(
+    request: Request, detok: IncrementalDetokenizer, lease: _Lease, metrics: _RequestMetrics,
+) -> AsyncIterator[GenerationDelta]:
+    num_output = 0
+    finish: str | None = None
+    try:
+        while True:
+            out = await request.output_queue.get()
+            if out.finish_reason is not None:
+                lease.live = False  # the scheduler already let go of it
+            if out.finish_reason in ("abort", "error"):
+                finish = out.finish_reason
+                if finish == "abort":
+                    raise EngineShuttingDown(out.error or "request aborted by the server")
+                raise EngineError(out.error or "request failed")
+            num_output += len(out.new_token_ids)
+            metrics.tokens(request, len(out.new_token_ids))
+            text = detok.update(out.new_token_ids, final=out.finish_reason is not None)
+            finish = detok.stop_reason or out.finish_reason
+            yield GenerationDelta(text, out.new_token_ids, finish, request.num_prompt_tokens,
+                                  num_output, out.logprobs)
+            if finish is not None:
+                return
+    finally:
+        lease.release()
+        metrics.finished(request, finish)
 
 
 class AsyncEngine:
@@ -71,7 +174,8 @@ class AsyncEngine:
 
     def __init__(
         self, config: EngineConfig, info: ModelInfo, tokenizer: PreTrainedTokenizerBase,
-        scheduler: Scheduler, executor: Executor, structured_output: StructuredOutputManager,
+        scheduler: Scheduler, executor: Executor, stat_loggers: list[StatLogger],
+        structured_output: StructuredOutputManager,
     ):
         self.config = config
         self.info = info
@@ -79,6 +183,7 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.executor = executor
         self._eos = frozenset(info.eos_token_ids)
+        self.stat_loggers = stat_loggers  # shared with the scheduler; see add_stat_logger
         self.structured_output = structured_output
 
     @classmethod
@@ -89,7 +194,10 @@ class AsyncEngine:
             loader.ModelLoadError: the model cannot be found or read.
             ValueError: settings that cannot work (e.g. ``max_model_len`` beyond the KV cache).
         """
-        executor = Executor(ModelRunner(config.model, config.cache))
+        executor = Executor(ModelRunner(
+            config.model, config.cache, config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+        ))
         info = await executor.load()
         tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)
         capacity = info.num_blocks * info.block_size
@@ -106,7 +214,8 @@ class AsyncEngine:
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
-        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len)
+        stat_loggers: list[StatLogger] = []
+        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers)
         executor.start()
         scheduler.start()
         log.info(
@@ -121,20 +230,28 @@ class AsyncEngine:
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
             load_seconds=round(info.load_seconds, 2),
         )
-        return cls(config, info, tokenizer, scheduler, executor, structured_output)
+        return cls(config, info, tokenizer, scheduler, executor, stat_loggers,
+                   structured_output)
 
-    async def generate(
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        """Have ``logger`` see every step (from the scheduler) and every request update (from
+        the request tasks). Meant for start-up, before requests arrive."""
+        self.stat_loggers.append(logger)
+
+    async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, cache_salt: str | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        """Run one request, yielding text deltas until it finishes.
+    ) -> RequestStream:
+        """Queue a request and return its stream once the scheduler has accepted it, so a
+        refusal becomes an HTTP error before any response starts.
 
         Args:
             priority: lower runs earlier under the ``priority`` scheduling policy.
             cache_salt: isolates the request's prefix-cache blocks from other salts.
 
         Raises:
-            EngineError: the request failed inside the engine.
+            EngineOverloaded: the waiting queue is full.
+            DuplicateRequestId: a live request has this id.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
@@ -142,27 +259,27 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             request.structured_output = self.structured_output.request_for(
                 params.structured_outputs)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self.scheduler.send(AddRequest(request))
-        num_output = 0
-        ended_in_engine = False
+        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(AddRequest(request, accepted))
         try:
-            while True:
-                out = await queue.get()
-                ended_in_engine = out.finish_reason is not None
-                if out.finish_reason in ("error", "abort"):
-                    raise EngineError(out.error or f"request {out.finish_reason}")
-                num_output += len(out.new_token_ids)
-                text = detok.update(out.new_token_ids, final=ended_in_engine)
-                finish = detok.stop_reason or out.finish_reason
-                yield GenerationDelta(
-                    text, out.new_token_ids, finish, len(prompt_token_ids), num_output
-                )
-                if finish is not None:
-                    return
-        finally:
-            if not ended_in_engine:
-                self.scheduler.send(AbortRequest(request_id))
+            await accepted
+        except asyncio.CancelledError:
+            self.scheduler.send(AbortRequest(request_id))
+            raise
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        return RequestStream(self.scheduler, request, detok,
+                             _RequestMetrics(self.stat_loggers))
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0, cache_salt: str | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """``add_request`` and iterate, in one call (for tools and tests)."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, priority,
+                                        cache_salt)
+        async with aclosing(stream):
+            async for delta in stream:
+                yield delta
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile (or find cached) a guided-decoding constraint before starting a request.
@@ -180,6 +297,7 @@ class AsyncEngine:
         stats["model"] = {"name": self.info.served_name, "path": self.info.path,
                           "dtype": self.info.dtype, "device": self.info.device,
                           "max_model_len": self.info.max_model_len}
+        stats["config"] = self.effective_config()
         stats["time"] = time.time()
         return stats
 
@@ -188,6 +306,26 @@ class AsyncEngine:
         reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.scheduler.send(ResetPrefixCache(reply))
         return await reply
+
+    async def drain(self, timeout: float) -> None:
+        """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
+        rest (their clients get an error saying the server is shutting down)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = (await self.get_stats())["scheduler"]
+            if s["num_running"] + s["num_waiting"] == 0:
+                return
+            await asyncio.sleep(0.05)
+        self.scheduler.send(AbortAll("server shutting down"))
+        await self.get_stats()  # handled after the AbortAll: the requests are gone
+    def effective_config(self) -> dict[str, Any]:
+        """The settings in force: the flags as given, with what loading resolved (``auto``
+        dtype, default ``max_model_len``, the KV pool's size) filled in."""
+        config = asdict(self.config)
+        config["model"].update(dtype=self.info.dtype, device=self.info.device,
+                               max_model_len=self.info.max_model_len)
+        config["cache"]["num_blocks"] = self.info.num_blocks
+        return config
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

@@ -12,9 +12,11 @@ from gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 @dataclass(slots=True)
 class AddRequest:
-    """Request task → scheduler: queue a new request."""
+    """Request task → scheduler: queue a new request. ``accepted`` resolves once it is queued,
+    or fails with ``EngineOverloaded`` / ``DuplicateRequestId``."""
 
     request: Request
+    accepted: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
@@ -30,6 +32,13 @@ class GrammarReady:
     """Grammar compile → scheduler: a request parked in ``WAITING_FOR_GRAMMAR`` can go on."""
 
     request_id: str
+
+
+@dataclass(slots=True)
+class AbortAll:
+    """Shutdown → scheduler: end every request (their streams report ``reason``)."""
+
+    reason: str
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +77,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     first_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
+    scheduled_time: float | None = None  # first time it was in a step (for queue time)
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
 
     @property

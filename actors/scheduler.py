@@ -22,8 +22,10 @@ import structlog
 
 from actors.actor import Actor
 from actors.config import SchedulerConfig
+from actors.errors import DuplicateRequestId, EngineOverloaded
 from actors.kv_cache_manager import KVCacheManager
 from actors.messages import (
+    AbortAll,
     AbortRequest,
     AddRequest,
     ExecuteModel,
@@ -34,6 +36,7 @@ from actors.messages import (
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from actors.request_queue import make_request_queue
 from actors.structured_output import advance, grammar_bitmask
+from actors.stats import StatLogger, StepHistory, StepStats, request_row
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -44,7 +47,7 @@ class Scheduler(Actor):
 
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, executor: Actor,
-        max_model_len: int,
+        max_model_len: int, stat_loggers: list[StatLogger] | None = None,
     ):
         super().__init__()
         self.config = config
@@ -59,6 +62,9 @@ class Scheduler(Actor):
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
+        self.step_history = StepHistory()
+        # Observers of each step (the server's metrics); the engine owns the list.
+        self.stat_loggers: list[StatLogger] = stat_loggers if stat_loggers is not None else []
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -69,19 +75,42 @@ class Scheduler(Actor):
             self._drain_mailbox()
             if not self.has_unfinished_requests():
                 continue
+            start = time.monotonic()
             so = self.schedule()
             if not so.scheduled:  # nothing fits now; wait for an abort or a new request
                 self._handle(await self.mailbox.get())
                 continue
-            reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-            self.executor.send(ExecuteModel(so, reply))
             try:
-                out = await reply
-            except Exception as e:  # a failed step fails its requests, not the server
+                out = await self._execute(so)
+            except Exception:
                 log.exception("step_failed", num_reqs=len(so.scheduled))
-                self._fail(so, f"{type(e).__name__}: {e}")
-                continue
+                out = await self._execute_isolated(so)
+            self._record_step(so, out, start)
             self.update_from_output(so, out)
+
+    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
+        self.executor.send(ExecuteModel(so, reply))
+        return await reply
+
+    async def _execute_isolated(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """After a failed step, rerun each request alone: only the one that fails by itself is
+        failed (K/V writes are idempotent, so rerunning a request's slice is safe)."""
+        merged = ModelRunnerOutput({}, {})
+        for sr in so.scheduled:
+            try:
+                out = await self._execute(SchedulerOutput([sr]))
+            except Exception as e:
+                log.exception("request_failed", request_id=sr.req_id)
+                request = self.requests.get(sr.req_id)
+                if request is not None:
+                    self._finish(request, RequestStatus.FINISHED_ERROR)
+                    request.output_queue.put_nowait(
+                        RequestOutput([], "error", f"{type(e).__name__}: {e}"))
+                continue
+            merged.sampled_token_ids.update(out.sampled_token_ids)
+            merged.logprobs.update(out.logprobs)
+        return merged
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,11 +121,15 @@ class Scheduler(Actor):
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):
-            self.add_request(msg.request)
+            self._on_add(msg)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.request_id)
         elif isinstance(msg, GrammarReady):
             self._grammar_ready(msg.request_id)
+        elif isinstance(msg, AbortAll):
+            for request in list(self.requests.values()):
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
@@ -108,12 +141,26 @@ class Scheduler(Actor):
 
     # -- requests in and out ----------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def _on_add(self, msg: AddRequest) -> None:
+        request, accepted = msg.request, msg.accepted
+        error: Exception | None = None
+        limit = self.config.max_waiting_requests
         if request.request_id in self.requests:
-            request.output_queue.put_nowait(
-                RequestOutput([], "error", f"duplicate request id {request.request_id!r}")
-            )
+            error = DuplicateRequestId(f"a request with id {request.request_id!r} is running")
+        elif limit is not None and len(self.waiting) >= limit:
+            error = EngineOverloaded(f"server overloaded: {len(self.waiting)} requests waiting")
+        if accepted is not None and accepted.done():  # the request task was cancelled
             return
+        if error is None:
+            self.add_request(request)
+        if accepted is not None and error is not None:
+            accepted.set_exception(error)
+        elif accepted is not None:
+            accepted.set_result(None)
+        elif error is not None:
+            request.output_queue.put_nowait(RequestOutput([], "error", str(error)))
+
+    def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.kv.update_block_hashes(request)
         so = request.structured_output
@@ -208,7 +255,10 @@ class Scheduler(Actor):
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, n))
+            sr = self._scheduled(request, n)
+            if num_hit_tokens:  # the runner never saw the cached prefix's tokens
+                sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
+            scheduled.append(sr)
             budget -= n
         so = SchedulerOutput(scheduled, self.finished_req_ids)
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
@@ -243,6 +293,7 @@ class Scheduler(Actor):
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             sample=start + n == request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
@@ -264,12 +315,16 @@ class Scheduler(Actor):
             status = advance(request, new) or self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
-            request.output_queue.put_nowait(RequestOutput(new, FINISH_REASONS.get(status)))
+            request.output_queue.put_nowait(RequestOutput(
+                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+        if len(request.output_token_ids) >= params.min_tokens and (
+            (not params.ignore_eos and last in request.eos_token_ids)
+            or last in params.stop_token_ids
+        ):
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -277,19 +332,41 @@ class Scheduler(Actor):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _fail(self, so: SchedulerOutput, error: str) -> None:
-        for sr in so.scheduled:
-            request = self.requests.get(sr.req_id)
-            if request is not None:
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                request.output_queue.put_nowait(RequestOutput([], "error", error))
-
     # -- stats ------------------------------------------------------------------------------
 
+    def _record_step(self, so: SchedulerOutput, out: ModelRunnerOutput, start: float) -> None:
+        """Keep the step for the admin view and hand it to the stat loggers. Runs before
+        ``update_from_output``, while every scheduled request is still known."""
+        now = time.monotonic()
+        prefill = decode = 0
+        queue_times: list[float] = []
+        for sr in so.scheduled:
+            request = self.requests.get(sr.req_id)
+            n = len(sr.token_ids)
+            prompt_len = request.num_prompt_tokens if request is not None else 0
+            if n == 1 and sr.num_computed_tokens >= prompt_len > 0:  # fed back a sampled token
+                decode += 1
+            else:
+                prefill += n
+            if request is not None and request.scheduled_time is None:
+                request.scheduled_time = start
+                queue_times.append(start - request.arrival_time)
+        generated = sum(len(t) for t in out.sampled_token_ids.values())
+        step = StepStats(now, len(so.scheduled), prefill, decode, generated, now - start,
+                         queue_times)
+        self.step_history.append(step)
+        for logger in self.stat_loggers:
+            logger.record_step(step)
+
     def stats(self) -> dict[str, Any]:
+        """The ``GetStats`` reply: plain data built in the actor's own task."""
         pool = self.kv.block_pool
+        now = time.monotonic()
+        live = [*self.running, *self.waiting]
+        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         return {
             "scheduler": {
+                "policy": "fcfs",
                 "num_waiting": len(self.waiting),
                 "num_waiting_for_grammar": len(self.waiting_for_grammar),
                 "num_running": len(self.running),
@@ -297,6 +374,9 @@ class Scheduler(Actor):
                 "num_steps_total": self.num_steps,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
                 "policy": self.config.policy,
+                "requests": [
+                    request_row(r, len(self.kv.get_block_ids(r.request_id)), now) for r in live
+                ],
             },
             "kv_cache": {
                 "block_size": self.kv.block_size,
@@ -304,9 +384,10 @@ class Scheduler(Actor):
                 "num_free_blocks": pool.get_num_free_blocks(),
                 "num_cached_blocks": self.kv.num_cached_blocks,
                 "usage": round(pool.get_usage(), 6),
-                "prefix_cache_queries": self.kv.prefix_cache_queries,
-                "prefix_cache_hits": self.kv.prefix_cache_hits,
-                "prefix_cache_hit_rate": round(
-                    self.kv.prefix_cache_hits / max(self.kv.prefix_cache_queries, 1), 6),
+                "prefix_cache_queries": queries,
+                "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": round(hits / queries, 6) if queries else 0.0,
             },
+            "steps": self.step_history.rows(),
+            "throughput": self.step_history.throughput(now),
         }

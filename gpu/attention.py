@@ -1,17 +1,27 @@
-"""Attention over paged KV blocks: step metadata and the pure-torch backend.
+"""Attention over paged KV blocks: step metadata, the backends, and how one is chosen.
 
 The batch is ordered decodes first (one query token each), then prefill chunks, as vLLM V1's
 backends expect, so each kind runs as one call: batched decode attention for the first
 ``num_decodes`` sequences, variable-length causal attention for the rest.
+
+Two backends share one interface (``name``, ``write_kv``, ``forward``): ``torch`` (the pure-torch
+reference kernels; the CPU path) and ``triton`` (our Triton kernels; the CUDA path).
+``get_attention_backend`` picks by device; ``PAGEDSERVE_ATTENTION_BACKEND=triton|torch`` forces
+one, as vLLM's ``VLLM_ATTENTION_BACKEND`` does. Triton on the CPU needs ``TRITON_INTERPRET=1``
+(Triton's interpreter: slow, for tests).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kernels import reference
+
+BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
 
 
 @dataclass(slots=True)
@@ -25,6 +35,9 @@ class AttentionMetadata:
         block_table: ``[B, max_blocks_per_seq]`` int32 block ids (0-padded).
         num_decodes: the first ``num_decodes`` sequences have exactly one query token.
         num_decode_tokens: equals ``num_decodes``.
+        max_query_len, max_seq_len: host-side maxima of the prefill chunks' lengths and of
+            ``seq_lens``, when known (spares the Triton backend a device sync); ``None`` in a
+            captured CUDA graph, whose kernels must not depend on them.
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +46,22 @@ class AttentionMetadata:
     block_table: torch.Tensor
     num_decodes: int
     num_decode_tokens: int
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -68,3 +97,61 @@ class TorchAttentionBackend:
             meta.query_start_loc[nd:] - nd, scale,
         )
         return out
+
+
+class TritonAttentionBackend:
+    """Our Triton kernels (``kernels/``): the CUDA path. No device syncs in a decode-only step,
+    so a decode step can be captured in a CUDA graph."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device):
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "the triton attention backend on the CPU needs TRITON_INTERPRET=1 (Triton's "
+                f"interpreter, slow: for tests); unset {BACKEND_ENV} to use the torch backend"
+            )
+        # Imported here so the CPU path never loads triton.
+        from kernels import paged_attention, prefill_attention, reshape_and_cache
+
+        self._reshape_and_cache = reshape_and_cache.reshape_and_cache
+        self._decode = paged_attention.paged_decode_attention
+        self._prefill = prefill_attention.paged_prefill_attention
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> None:
+        self._reshape_and_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            self._decode(
+                query[:nd], key_cache, value_cache, meta.block_table[:nd], meta.seq_lens[:nd],
+                scale, max_seq_len=meta.max_seq_len, out=out[:nd],
+            )
+        if nd < meta.seq_lens.shape[0]:
+            self._prefill(
+                query[nd:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
+                meta.query_start_loc[nd:] - nd, scale, max_query_len=meta.max_query_len,
+                out=out[nd:],
+            )
+        return out
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Triton on CUDA, torch elsewhere, unless ``PAGEDSERVE_ATTENTION_BACKEND`` says which."""
+    name = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not name:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend(device)
+    raise ValueError(f"{BACKEND_ENV}={name!r} is not a backend: choose 'triton' or 'torch'")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ class ScheduledRequest:
         block_ids: the request's whole block table, in order.
         sampling_params: how to sample the request's next token.
         sample: whether this step reaches the end of the known tokens, so a token is sampled.
+        num_prompt_tokens: prompt length (tokens past it are output, for penalties).
+        prefix_token_ids: the tokens before ``num_computed_tokens`` when the runner has not
+            seen them (a prefix-cache hit at admission); else ``None``.
     """
 
     req_id: str
@@ -35,6 +39,8 @@ class ScheduledRequest:
     block_ids: list[int]
     sampling_params: SamplingParams
     sample: bool
+    num_prompt_tokens: int = 0
+    prefix_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -59,6 +65,8 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled token ids per request id (one each; lists leave room for speculation)."""
+    """Sampled token ids per request id (one each; lists leave room for speculation), and
+    their logprobs for requests that asked."""
 
     sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -18,6 +18,7 @@ class ModelConfig:
         max_model_len: context limit in tokens (prompt + output); ``None`` = the model's.
         seed: global seed for requests without their own.
         device: ``cuda`` or ``cpu``; ``None`` picks CUDA when present.
+        enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode steps).
     """
 
     model: str | None = None
@@ -25,6 +26,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None
+    enforce_eager: bool = False
 
 
 @dataclass(slots=True)

@@ -25,14 +25,21 @@ def bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtyp
     return 2 * block_size * kv_heads * head_size * dtype.itemsize * layers
 
 
+def needs_profiling(cache: CacheConfig) -> bool:
+    """Only the CUDA budget (``gpu_memory_utilization``) depends on the activations' peak."""
+    return cache.num_gpu_blocks_override is None and cache.kv_cache_memory_bytes is None
+
+
 def num_blocks_for(
     config: PretrainedConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
-    model_bytes: int,
+    model_bytes: int, activation_bytes: int | None = None,
 ) -> int:
     """How many blocks the budget holds.
 
     CPU: ``kv_cache_memory_bytes`` (default 2 GiB). CUDA: ``gpu_memory_utilization`` of the
-    device's memory minus the weights and what is already allocated.
+    device's memory, minus what torch holds now (the weights), the peak of the largest step
+    (``activation_bytes``, from the runner's profiling pass; a quarter of the weights if not
+    profiled) and what others hold (the CUDA context, other processes), as vLLM sizes it.
     """
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
@@ -40,9 +47,12 @@ def num_blocks_for(
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
-        budget -= model_bytes // 4  # headroom for activations until a profiling run sizes it
+        free, total = torch.cuda.mem_get_info(device)
+        not_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
+        if activation_bytes is None:
+            activation_bytes = model_bytes // 4
+        budget = (int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+                  - activation_bytes - not_torch)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     return max(budget // per_block, 0)

@@ -13,12 +13,14 @@ import structlog
 import torch
 
 from gpu import kv_cache, loader
-from gpu.attention import AttentionMetadata, TorchAttentionBackend
+from gpu.attention import AttentionMetadata, get_attention_backend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
+from gpu.cuda_graph import CudaGraphRunner
 from gpu.grammar_bitmask import apply_grammar_bitmask
 from gpu.models.llama import LlamaForCausalLM
-from gpu.sampler import sample
+from gpu.sampler import SampleRow, sample
+from gpu.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -47,16 +49,28 @@ class ModelInfo:
     device: str
     eos_token_ids: list[int]
     load_seconds: float
+    vocab_size: int
+    attention_backend: str = "torch"
 
 
 class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request RNGs. Not thread-safe: the
     executor actor calls it from its one worker thread."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig):
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig,
+        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+    ):
+        """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
+        step, which the CUDA path profiles (KV sizing) and captures (decode graphs)."""
         self.model_config = model_config
         self.cache_config = cache_config
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.generators: dict[str, torch.Generator] = {}
+        # Every token of each live request, as computed so far (penalties read them).
+        self.token_ids: dict[str, list[int]] = {}
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -69,8 +83,9 @@ class ModelRunner:
         self.hf_config = loader.load_config(resolved.path)
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
+        self.attn_backend = get_attention_backend(self.device)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, TorchAttentionBackend(), self.max_model_len)
+            model = LlamaForCausalLM(self.hf_config, self.attn_backend, self.max_model_len)
         model = model.to_empty(device=self.device).to(self.dtype)
         # Buffers (RoPE tables) were on meta: rebuild them for real, in float32.
         model.model.rotary_emb = type(model.model.rotary_emb)(
@@ -82,12 +97,20 @@ class ModelRunner:
         self.model = model.eval()
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.block_size = cc.block_size
+        activation_bytes = None
+        if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
+            activation_bytes = self._profile_activation_bytes()
         self.num_blocks = kv_cache.num_blocks_for(
-            self.hf_config, cc, self.dtype, self.device, model_bytes
+            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self._capture_cuda_graphs()
+        log.info("attention_backend", name=self.attn_backend.name,
+                 cuda_graphs=self.cuda_graphs is not None)
+        self.eos_token_ids = self._eos_token_ids(resolved.path)
         return ModelInfo(
             served_name=resolved.default_served_name,
             path=str(resolved.path),
@@ -96,9 +119,62 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            eos_token_ids=self._eos_token_ids(resolved.path),
+            eos_token_ids=self.eos_token_ids,
             load_seconds=time.perf_counter() - start,
+            vocab_size=self.hf_config.vocab_size,
+            attention_backend=self.attn_backend.name,
         )
+
+    def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:
+        """``num_seqs`` prompts sharing ``num_tokens`` tokens, on consecutive blocks from 0."""
+        reqs, next_block = [], 0
+        for i in range(num_seqs):
+            n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
+            nb = -(-n // self.block_size)
+            reqs.append(ScheduledRequest(
+                req_id=f"profile-{i}", token_ids=[0] * n, num_computed_tokens=0,
+                block_ids=list(range(next_block, next_block + nb)),
+                sampling_params=SamplingParams(temperature=0.0), sample=True,
+            ))
+            next_block += nb
+        return reqs
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of the largest step beyond what is allocated (CUDA): one forward pass of
+        ``max_num_batched_tokens`` tokens over ``max_num_seqs`` prompts, sampled, with a scratch
+        KV cache just big enough for it (vLLM's ``profile_run``)."""
+        num_tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        num_seqs = max(1, min(self.max_num_seqs, num_tokens))
+        reqs = self._dummy_requests(num_tokens, num_seqs)
+        scratch = kv_cache.allocate_kv_caches(
+            self.hf_config, reqs[-1].block_ids[-1] + 1, self.block_size, self.dtype, self.device
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        input_ids, positions, meta, logits_indices = self._prepare(reqs)
+        logits = self.model(input_ids, positions, scratch, meta, logits_indices)
+        sample(logits, [SampleRow(r.sampling_params, None, [], [], []) for r in reqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, logits
+        torch.cuda.empty_cache()
+        log.info("profiled_step", num_tokens=num_tokens, num_seqs=num_seqs,
+                 activation_mib=round(peak / 2**20, 1))
+        return peak
+
+    def _capture_cuda_graphs(self) -> None:
+        if self.attn_backend.name != "triton":
+            log.warning("cuda_graphs_off", reason="only the triton attention backend is captured")
+            return
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        start = time.perf_counter()
+        self.cuda_graphs = CudaGraphRunner(
+            self.model, self.kv_caches, self.max_num_seqs, max_blocks_per_seq, self.block_size,
+            self.device,
+        )
+        log.info("cuda_graphs_ready", seconds=round(time.perf_counter() - start, 2))
 
     def _eos_token_ids(self, path) -> list[int]:
         """EOS ids from the generation config (may list several), else the model config."""
@@ -144,6 +220,8 @@ class ModelRunner:
             block_table=torch.tensor(table, dtype=torch.int32, device=dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
+            max_query_len=max(len(r.token_ids) for r in reqs),
+            max_seq_len=max(seq_lens),
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -167,20 +245,43 @@ class ModelRunner:
         """One forward pass and sampling for every scheduled request."""
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+            self.token_ids.pop(req_id, None)
         if not so.scheduled:
             return ModelRunnerOutput({})
+        for r in so.scheduled:
+            known = self.token_ids.setdefault(r.req_id, [])
+            if r.prefix_token_ids is not None:
+                known[:] = r.prefix_token_ids
+            del known[r.num_computed_tokens :]  # recompute after preemption rewrites the tail
+            known.extend(r.token_ids)
         reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) != 1)  # decodes first
-        input_ids, positions, meta, logits_indices = self._prepare(reqs)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
+            logits = self.cuda_graphs.run(reqs)
+        else:
+            if self.cuda_graphs is not None:
+                self.cuda_graphs.batch.invalidate()
+            input_ids, positions, meta, logits_indices = self._prepare(reqs)
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
         if so.grammar_bitmask is not None:
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                                   [r.req_id for r in sampled_reqs])
-        tokens = sample(
-            logits,
-            [r.sampling_params for r in sampled_reqs],
-            [self._generator(r) for r in sampled_reqs],
-        ).tolist()
-        return ModelRunnerOutput({r.req_id: [t] for r, t in zip(sampled_reqs, tokens)})
+        out = sample(logits, [self._row(r) for r in sampled_reqs])
+        return ModelRunnerOutput(
+            {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
+            {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
+        )
+
+    def _row(self, r: ScheduledRequest) -> SampleRow:
+        p = r.sampling_params
+        # Slicing the history costs a copy per step: only for rows that read it.
+        tokens = self.token_ids[r.req_id] if p.needs_history or p.min_tokens else []
+        return SampleRow(
+            params=p, generator=self._generator(r),
+            prompt_ids=tokens[: r.num_prompt_tokens],
+            output_ids=tokens[r.num_prompt_tokens :],
+            stop_ids=[*self.eos_token_ids, *p.stop_token_ids] if not p.ignore_eos
+            else list(p.stop_token_ids),
+        )

@@ -1,4 +1,7 @@
-"""Token sampling from a batch of logits: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling from a batch of logits (vLLM V1's ``vllm/v1/sample/sampler.py`` order):
+
+logit bias → min_tokens (mask EOS and stop ids) → penalties (repetition, frequency,
+presence) → temperature → [logprobs taken here] → min-p → top-k/top-p → sample.
 
 Random rows use the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which equals
 sampling from ``p`` and lets each seeded row draw its noise from its own generator, as vLLM's
@@ -7,13 +10,49 @@ sampling from ``p`` and lets each seeded row draw its noise from its own generat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gpu.sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class SampleRow:
+    """One row of the batch to sample.
+
+    Attributes:
+        params: the request's sampling parameters.
+        generator: its RNG when seeded, else ``None`` (global RNG).
+        prompt_ids, output_ids: tokens so far (read only when penalties are on).
+        stop_ids: EOS and stop token ids, masked while ``min_tokens`` is not reached.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: list[int]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the top alternatives (ids, descending)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits ``[B, V]`` outside each row's top-k (k ``[B]``, 0 = off) and top-p mass."""
+    """Mask logits ``[B, V]`` outside each row's top-k (k ``[B]``, ≤ 0 = off) and top-p mass."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -27,34 +66,87 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
+def _process_row(logits: torch.Tensor, row: SampleRow) -> None:
+    """Bias, min_tokens and penalties for one row ``[V]``, in place."""
+    p = row.params
+    device = logits.device
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias.keys()), device=device)
+        logits.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=device))
+    if p.min_tokens and len(row.output_ids) < p.min_tokens and row.stop_ids:
+        logits[torch.tensor(row.stop_ids, device=device)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=device)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                       vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
+        counts = torch.bincount(torch.tensor(row.output_ids, device=device),
+                                minlength=logits.shape[0])[: logits.shape[0]].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.min_tokens or p.needs_history)
+
+
+def _logprobs(lp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    value = lp_row[token]
+    rank = int((lp_row > value).sum()) + 1
+    top = lp_row.topk(k) if k > 0 else None
+    return TokenLogprobs(
+        logprob=float(value), rank=rank,
+        top_ids=top.indices.tolist() if top is not None else [],
+        top_logprobs=top.values.tolist() if top is not None else [],
+    )
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     """Pick one token per row.
 
     Args:
-        logits: ``[B, V]`` float32.
-        params: one ``SamplingParams`` per row.
-        generators: per-row generator for seeded requests, else ``None`` (global RNG).
+        logits: ``[B, V]`` float32 (modified in place).
+        rows: one ``SampleRow`` per logits row.
 
     Returns:
-        ``[B]`` int64 token ids.
+        Token ids ``[B]`` and, for rows that asked, their logprobs.
     """
-    greedy = logits.argmax(dim=-1)
+    params = [r.params for r in rows]
+    for i, row in enumerate(rows):
+        if _needs_processing(row.params):
+            _process_row(logits[i], row)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return greedy
-    idx = torch.tensor(random_rows, device=logits.device)
-    sub = logits[idx]
-    temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-    sub = sub / temp[:, None]
-    top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
-    top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        logits[idx] = logits[idx] / temp[:, None]
+    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = (logits[want_lp].log_softmax(dim=-1) if want_lp else None)
+    tokens = logits.argmax(dim=-1)
+    if random_rows:
+        tokens[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
+    token_list = tokens.tolist()
+    out_lp: list[TokenLogprobs | None] = [None] * len(rows)
+    for j, i in enumerate(want_lp):
+        out_lp[i] = _logprobs(logprobs[j], token_list[i], params[i].logprobs or 0)
+    return SamplerOutput(token_list, out_lp)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    device = logits.device
+    params = [r.params for r in rows]
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-        sub = apply_top_k_top_p(sub, top_k, top_p)
-    probs = sub.softmax(dim=-1)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
     noise = torch.empty_like(probs)
-    for row, i in enumerate(random_rows):
-        noise[row].exponential_(generator=generators[i])
-    greedy[idx] = (probs / noise).argmax(dim=-1)
-    return greedy
+    for i, row in enumerate(rows):
+        noise[i].exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 import structlog
 from starlette.applications import Starlette
@@ -12,27 +13,70 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from actors.engine import AsyncEngine
+from server.admin import admin_routes
 from server.errors import OpenAIError, error_body
+from server.middleware import RequestGuard
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.request_body import parse_body
 from server.serving import Serving, ServingConfig
 
 log = structlog.get_logger(__name__)
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
-def build_app(engine: AsyncEngine, config: ServingConfig) -> Starlette:
+
+def _version() -> str:
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_app(engine: AsyncEngine, config: ServingConfig,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> RequestGuard:
+    """The ASGI app: routes behind the guard (``config.api_key``, body limit)."""
     serving = Serving(engine, config)
     created = int(time.time())
 
-    async def models(request: Request) -> JSONResponse:
-        card = {"id": config.served_model_name, "object": "model", "created": created,
+    def card() -> dict:
+        return {"id": config.served_model_name, "object": "model", "created": created,
                 "owned_by": "pagedserve", "root": engine.info.path,
                 "max_model_len": engine.info.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(request: Request) -> JSONResponse:
+        serving.check_model(request.path_params["model"])
+        return JSONResponse(card())
+
+    async def tokenize(request: Request) -> JSONResponse:
+        body: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        serving.check_model(body.model)
+        if body.messages is not None:
+            text = serving.chat_prompt([{"role": m.role, "content": m.text()}
+                                        for m in body.messages], body.add_generation_prompt)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = engine.tokenizer.encode(body.prompt,
+                                          add_special_tokens=body.add_special_tokens)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.info.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(request: Request) -> JSONResponse:
+        body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
+        serving.check_model(body.model)
+        if any(not 0 <= t < engine.info.vocab_size for t in body.tokens):
+            raise OpenAIError(f"tokens: ids must be in [0, {engine.info.vocab_size})",
+                              param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    async def version_route(request: Request) -> JSONResponse:
+        return JSONResponse({"version": _version()})
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
-
-    async def admin_stats(request: Request) -> JSONResponse:
-        return JSONResponse(await engine.get_stats())
 
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})
@@ -47,18 +91,23 @@ def build_app(engine: AsyncEngine, config: ServingConfig) -> Starlette:
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled_error", path=request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", 500), 500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500)
 
     routes = [
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
         Route("/v1/completions", serving.completion, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         exception_handlers={OpenAIError: on_openai_error, HTTPException: on_http_error,
                             Exception: on_error},
     )
+    return RequestGuard(app, config.api_key, max_request_body_bytes)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
 import signal
 import sys
 
@@ -15,8 +17,17 @@ from actors.engine import AsyncEngine, EngineConfig
 from actors.structured_output import StructuredOutputConfig
 from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
 from gpu.loader import ModelLoadError
+from server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 log = structlog.get_logger("pagedserve")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        return help_text if "default" in help_text else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve", help="serve a model over the OpenAI API",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file, a Hugging Face folder or hub id; none = the embedded "
@@ -57,13 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block hash for prefix caching (xxhash: 128-bit xxh3, faster)")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (request field `priority`, lower runs earlier)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="refuse new requests with 503 while this many wait (default: no limit)")
+    s.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer <key>` on every route but /health "
+                        "(default: $PAGEDSERVE_API_KEY, else none)")
+    s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests may take to finish after SIGTERM")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log prompt and output text (never logged otherwise)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template (file path or inline) overriding the tokenizer's")
+    s.add_argument("--admin-key", default=os.environ.get("PAGEDSERVE_ADMIN_KEY"),
+                   help="bearer key for /admin/stats, /admin/events and /metrics (default: "
+                        "$PAGEDSERVE_ADMIN_KEY; unset = the API key, if any, else open)")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="device; default: CUDA when present")
     s.add_argument("--structured-output-compile-timeout", type=float, default=5.0,
                    help="seconds a guided-decoding grammar may take to compile before the "
                         "request gets a 400")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly, no CUDA graphs for decode steps")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level")
     return parser
@@ -85,7 +112,8 @@ def configure_logging(level: str) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model or args.model_tag, dtype=args.dtype,
-                          max_model_len=args.max_model_len, seed=args.seed, device=args.device),
+                          max_model_len=args.max_model_len, seed=args.seed, device=args.device,
+                          enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -94,10 +122,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           prefix_caching_hash_algo=args.prefix_caching_hash_algo),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.scheduling_policy),
+                                  policy=args.scheduling_policy,
+                                  max_waiting_requests=args.max_waiting_requests),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=args.structured_output_compile_timeout),
     )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_template(value: str | None) -> str | None:
@@ -114,18 +152,36 @@ async def serve(args: argparse.Namespace) -> None:
     from server.launch import hypercorn_config
     from server.serving import ServingConfig
 
+    if args.api_key is None and not _is_loopback(args.host):
+        log.warning("no_api_key_on_public_address", host=args.host,
+                    hint="anyone who reaches this address can use the server: set --api-key")
     engine = await AsyncEngine.start(engine_config(args))
     served = args.served_model_name or engine.info.served_name
-    app = build_app(engine, ServingConfig(served, _read_template(args.chat_template),
-                                          args.scheduling_policy))
+    serving = ServingConfig(served, _read_template(args.chat_template), args.scheduling_policy,
+                            args.enable_log_requests, api_key=args.api_key,
+                            admin_key=args.admin_key)
+    app = build_app(engine, serving, args.max_request_body_bytes)
     config = hypercorn_config(args.host, args.port)
     stop = asyncio.Event()
+
+    async def drain_then_stop() -> None:
+        """SIGTERM: refuse new requests, let running ones finish for --shutdown-timeout
+        seconds, abort the rest, then let Hypercorn close (flushing the last stream events)."""
+        await stop.wait()
+        log.info("shutdown_started", timeout_s=args.shutdown_timeout)
+        app.draining = True
+        await engine.drain(args.shutdown_timeout)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving", url=f"http://{config.bind[0]}/v1", model=served)
+    base = f"http://{config.bind[0]}"
+    log.info("serving", url=f"{base}/v1", model=served)
+    key_required = bool(args.admin_key or getattr(args, "api_key", None))
+    log.info("operator_pages", chat=f"{base}/", dashboard=f"{base}/admin",
+             metrics=f"{base}/metrics", admin_key_required=key_required)
     try:
-        await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+        await hypercorn_serve(app, config, shutdown_trigger=drain_then_stop)
     finally:
         await engine.shutdown()
         log.info("stopped")

@@ -23,17 +23,19 @@ _TYPES = {
 class OpenAIError(Exception):
     """Raised anywhere in a handler; turned into an error response with ``status``."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:

@@ -26,17 +26,19 @@ def hypercorn_config(host: str, port: int) -> Config:
 
 @asynccontextmanager
 async def running_server(
-    engine: AsyncEngine, serving: ServingConfig, host: str = "127.0.0.1", port: int = 0
+    engine: AsyncEngine, serving: ServingConfig, host: str = "127.0.0.1", port: int = 0,
+    **app_kwargs,
 ) -> AsyncIterator[str]:
     """Serve ``engine`` on ``host:port`` inside the running loop; yields the base URL.
 
-    ``port=0`` picks a free port.
+    ``port=0`` picks a free port; ``app_kwargs`` go to ``build_app``.
     """
     if port == 0:
         port = free_port(host)
     stop = asyncio.Event()
     task = asyncio.create_task(
-        serve(build_app(engine, serving), hypercorn_config(host, port), shutdown_trigger=stop.wait)
+        serve(build_app(engine, serving, **app_kwargs), hypercorn_config(host, port),
+              shutdown_trigger=stop.wait)
     )
     try:
         for _ in range(500):

@@ -1,11 +1,16 @@
-"""Request bodies of the OpenAI API, as pydantic models (vLLM's ``entrypoints/openai/protocol.py``
-is the reference for names and ranges). Unknown fields are ignored, as vLLM does."""
+"""Request bodies of the OpenAI API, as pydantic models.
+
+vLLM's ``vllm/entrypoints/openai/protocol.py`` is the reference for names, defaults and ranges;
+where it and OpenAI differ we follow vLLM (extra sampling fields such as ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ``max_tokens`` absent means "up to the
+context limit"). Unknown fields are ignored, as vLLM does.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.structured_output import StructuredOutputFields
 
@@ -24,11 +29,17 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        """All text parts, in order."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingBody(StructuredOutputFields, _Body):
@@ -37,22 +48,82 @@ class _SamplingBody(StructuredOutputFields, _Body):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     priority: int = 0  # vLLM: lower runs earlier; needs --scheduling-policy priority
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache isolation
     return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
+
+    @model_validator(mode="after")
+    def _check(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            for key, bias in self.logit_bias.items():
+                if not key.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias: key {key!r} is not a token id")
+                if not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias: bias {bias} not in [-100, 100]")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> Any:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be used with add_generation_prompt")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+        return self
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[int] = Field(min_length=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Any:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,30 +1,31 @@
-"""Chat and text completions: validate, tokenize, run the request task, shape the answer.
+"""Chat and text completions: validate, tokenize, run the request tasks, shape the answer.
 
-Everything that can be wrong with a request is found before a stream starts, so a bad request
-always gets an HTTP error status, never a 200 with an error inside the stream.
+Everything that can be wrong with a request is found before a stream starts (including the
+scheduler's admission), so a bad request always gets an HTTP error status, never a 200 with an
+error inside the stream. ``n > 1`` fans out into ``n`` engine requests with the same prompt,
+which share its KV blocks through the prefix cache (as vLLM V1 does).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
-from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from actors.engine import AsyncEngine, EngineError, GenerationDelta, GrammarError
+from actors.engine import AsyncEngine, RequestStream
+from actors.errors import DuplicateRequestId, EngineOverloaded
+from actors.structured_output import GrammarError
 from gpu.sampling_params import SamplingParams
-from server.errors import OpenAIError, error_body
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.errors import OpenAIError
+from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
+from server.request_body import parse_body
+from server.responses import ResponseBuilder, collect, sse_events, until_disconnect
 
 log = structlog.get_logger(__name__)
 
@@ -34,23 +35,15 @@ class ServingConfig:
     served_model_name: str
     chat_template: str | None = None
     scheduling_policy: str = "fcfs"
+    enable_log_requests: bool = False
+    api_key: str | None = None  # the admin routes fall back to it when no admin key is set
+    admin_key: str | None = None  # guards /admin/stats, /admin/events and /metrics
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """JSON body → pydantic model, or a 400 naming the offending field."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise OpenAIError("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise OpenAIError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
+def request_id_from(request: Request, prefix: str) -> str:
+    """``X-Request-Id`` when the client sent one (echoed back), else a fresh id."""
+    given = request.headers.get("x-request-id")
+    return given if given else f"{prefix}-{uuid.uuid4().hex}"
 
 
 class Serving:
@@ -61,10 +54,11 @@ class Serving:
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
+        self.vocab_size = engine.info.vocab_size
 
     # -- shared validation -------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
             raise OpenAIError(
                 f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
@@ -72,13 +66,13 @@ class Serving:
             )
 
     def _sampling_params(
-        self, body: Any, prompt_len: int, max_tokens: int | None
+        self, body: _SamplingBody, prompt_len: int, max_tokens: int | None, prompt_param: str,
+        logprobs: int | None,
     ) -> SamplingParams:
         if prompt_len >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {prompt_len} tokens, leaving no room for output.", param="messages"
-                if isinstance(body, ChatCompletionRequest) else "prompt",
+                f"has {prompt_len} tokens, leaving no room for output.", param=prompt_param,
             )
         room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
@@ -87,12 +81,21 @@ class Serving:
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion).", param="max_tokens",
             )
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.min_tokens > (max_tokens or room):
+            raise OpenAIError("min_tokens: must not exceed max_tokens", param="min_tokens")
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        if any(not 0 <= t < self.vocab_size for t in bias):
+            raise OpenAIError(f"logit_bias: token ids must be in [0, {self.vocab_size})",
+                              param="logit_bias")
         return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-            max_tokens=max_tokens if max_tokens is not None else room, stop=stop,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=bias, seed=body.seed,
+            max_tokens=max_tokens if max_tokens is not None else room,
+            min_tokens=body.min_tokens, stop=body.stop_list(),
+            include_stop_str_in_output=body.include_stop_str_in_output,
             stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
         )
 
     async def _structured_outputs(self, body: Any, params: SamplingParams) -> None:
@@ -107,163 +110,117 @@ class Serving:
             raise OpenAIError(str(e), param=param) from e
         params.structured_outputs = spec
 
-    def _start(self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: Any):
+    async def _start(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: _SamplingBody,
+    ) -> list[RequestStream]:
+        """Queue ``n`` engine requests; all accepted, or none kept and an HTTP error raised."""
         if body.priority != 0 and self.config.scheduling_policy != "priority":
             raise OpenAIError(
                 "priority is only honoured with --scheduling-policy priority", param="priority"
             )
-        return self.engine.generate(request_id, prompt_ids, params, priority=body.priority,
-                                    cache_salt=body.cache_salt)
+        streams: list[RequestStream] = []
+        try:
+            for i in range(body.n):
+                child = params if body.n == 1 else replace(
+                    params, seed=None if params.seed is None else params.seed + i)
+                streams.append(await self.engine.add_request(
+                    f"{request_id}-{i}" if body.n > 1 else request_id, prompt_ids, child,
+                    priority=body.priority, cache_salt=body.cache_salt))
+        except EngineOverloaded as e:
+            await _close_all(streams)
+            raise OpenAIError(str(e), status=503, headers={"Retry-After": "1"}) from e
+        except DuplicateRequestId as e:
+            await _close_all(streams)
+            raise OpenAIError(str(e), status=400, param="X-Request-Id") from e
+        except BaseException:
+            await _close_all(streams)
+            raise
+        return streams
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise OpenAIError(f"prompt: token ids must be in [0, {self.vocab_size})",
+                              param="prompt")
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    kwargs: dict[str, Any] | None = None) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=self.config.chat_template, **(kwargs or {}),
+            )
+        except Exception as e:  # jinja raises for roles/orders the template rejects
+            raise OpenAIError(f"chat template failed: {e}", param="messages") from e
 
     # -- endpoints ---------------------------------------------------------------------------
 
     async def chat(self, request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True,
-                chat_template=self.config.chat_template,
-            )
-        except Exception as e:  # jinja raises for roles/orders the template rejects
-            raise OpenAIError(f"chat template failed: {e}", param="messages") from e
+        prompt = self.chat_prompt(messages, body.add_generation_prompt,
+                                  body.continue_final_message, body.chat_template_kwargs)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self._sampling_params(body, len(prompt_ids), max_tokens)
-        await self._structured_outputs(body, params)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._start(request_id, prompt_ids, params, body)
-        meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=True,
-                     prompt_token_ids=prompt_ids if body.return_token_ids else None)
-        if body.stream:
-            return EventSourceResponse(_sse(meta, stream), sep="\n")
-        return await _until_disconnect(request, _collect(meta, stream))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)
+        return await self._respond(request, body, prompt, prompt_ids, params, chat=True)
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
-        self._check_model(body.model)
-        prompt_ids = self.tokenizer.encode(body.prompt)
-        params = self._sampling_params(body, len(prompt_ids), body.max_tokens)
+        self.check_model(body.model)
+        prompt_ids = self._prompt_ids(body.prompt)
+        params = self._sampling_params(body, len(prompt_ids), body.max_tokens, "prompt",
+                                       body.logprobs)
+        prompt_text = body.prompt if isinstance(body.prompt, str) else (
+            self.tokenizer.decode(prompt_ids))
+        return await self._respond(request, body, prompt_text, prompt_ids, params, chat=False,
+                                   echo=prompt_text if body.echo else None)
+
+    async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
+                       params: SamplingParams, chat: bool, echo: str | None = None):
         await self._structured_outputs(body, params)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._start(request_id, prompt_ids, params, body)
-        meta = _Meta(request_id, int(time.time()), self.config.served_model_name, chat=False,
-                     prompt_token_ids=prompt_ids if body.return_token_ids else None)
+        request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
+        streams = await self._start(request_id, prompt_ids, params, body)
+        builder = ResponseBuilder(
+            request_id=request_id, created=int(time.time()),
+            model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,
+            prompt_token_ids=prompt_ids if body.return_token_ids else None,
+            num_prompt_tokens=len(prompt_ids), echo=echo,
+        )
+        on_done = self._logger(request_id, prompt, len(prompt_ids))
+        headers = {"X-Request-Id": request_id}
         if body.stream:
-            return EventSourceResponse(_sse(meta, stream), sep="\n")
-        return await _until_disconnect(request, _collect(meta, stream))
+            opts = body.stream_options
+            events = sse_events(builder, streams, on_done,
+                                include_usage=bool(opts and opts.include_usage),
+                                continuous_usage=bool(opts and opts.continuous_usage_stats))
+            return EventSourceResponse(events, sep="\n", headers=headers)
+        answer = await until_disconnect(request, collect(builder, streams, on_done), streams)
+        if isinstance(answer, dict):
+            return JSONResponse(answer, headers=headers)
+        return answer
+
+    def _logger(self, request_id: str, prompt: str, num_prompt: int):
+        start = time.monotonic()
+        verbose = self.config.enable_log_requests
+
+        def done(output_tokens: int, finish: list[str | None], ttft: float | None,
+                 texts: list[str]) -> None:
+            extra = {"prompt": prompt, "output": texts} if verbose else {}
+            log.info("request_done", request_id=request_id, prompt_tokens=num_prompt,
+                     output_tokens=output_tokens, finish_reason=finish,
+                     ttft_s=None if ttft is None else round(ttft, 4),
+                     duration_s=round(time.monotonic() - start, 4), **extra)
+
+        return done
 
 
-@dataclass(slots=True)
-class _Meta:
-    request_id: str
-    created: int
-    model: str
-    chat: bool
-    prompt_token_ids: list[int] | None = None  # set when the client asked for token ids
-
-    def envelope(self, choices: list[dict], chunk: bool, first: bool = True) -> dict:
-        if self.chat:
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            obj = "text_completion"
-        body = {"id": self.request_id, "object": obj, "created": self.created,
-                "model": self.model, "choices": choices}
-        if self.prompt_token_ids is not None and first:
-            body["prompt_token_ids"] = self.prompt_token_ids
-        return body
-
-    def choice(self, index: int, text: str, finish: str | None, token_ids: list[int],
-               chunk: bool) -> dict:
-        if self.chat and chunk:
-            c = {"index": index, "delta": {"content": text} if text else {}}
-        elif self.chat:
-            c = {"index": index, "message": {"role": "assistant", "content": text}}
-        else:
-            c = {"index": index, "text": text}
-        c["logprobs"] = None
-        c["finish_reason"] = finish
-        if self.prompt_token_ids is not None:
-            c["token_ids"] = token_ids
-        return c
-
-
-def _usage(d: GenerationDelta) -> dict:
-    return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
-            "total_tokens": d.num_prompt_tokens + d.num_output_tokens}
-
-
-async def _sse(meta: _Meta, stream: AsyncIterator[GenerationDelta]) -> AsyncIterator[str]:
-    """SSE ``data:`` payloads; cancelled by sse-starlette when the client goes away, which
-    closes ``stream`` and so aborts the request."""
-    start = time.monotonic()
-    try:
-        async with aclosing(stream) as deltas:
-            first = True
-            if meta.chat:
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}
-                yield json.dumps(meta.envelope([role], chunk=True))
-                first = False
-            pending: list[int] = []  # tokens whose text is still held back
-            async for d in deltas:
-                pending.extend(d.token_ids)
-                if not d.text and d.finish_reason is None:
-                    continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-                choice = meta.choice(0, d.text, d.finish_reason, pending, chunk=True)
-                yield json.dumps(meta.envelope([choice], chunk=True, first=first))
-                first, pending = False, []
-                if d.finish_reason is not None:
-                    _log_done(meta, d, start)
-    except EngineError as e:
-        yield json.dumps(error_body(str(e), 500))
-    yield "[DONE]"
-
-
-async def _collect(meta: _Meta, stream: AsyncIterator[GenerationDelta]) -> JSONResponse:
-    start = time.monotonic()
-    parts: list[str] = []
-    token_ids: list[int] = []
-    last: GenerationDelta | None = None
-    try:
-        async with aclosing(stream) as deltas:
-            async for d in deltas:
-                parts.append(d.text)
-                token_ids.extend(d.token_ids)
-                last = d
-    except EngineError as e:
-        raise OpenAIError(str(e), status=500) from e
-    assert last is not None  # the engine always ends a request with a finish_reason
-    choice = meta.choice(0, "".join(parts), last.finish_reason, token_ids, chunk=False)
-    body = meta.envelope([choice], chunk=False)
-    body["usage"] = _usage(last)
-    _log_done(meta, last, start)
-    return JSONResponse(body)
-
-
-def _log_done(meta: _Meta, d: GenerationDelta, start: float) -> None:
-    log.info("request_done", request_id=meta.request_id, prompt_tokens=d.num_prompt_tokens,
-             output_tokens=d.num_output_tokens, finish_reason=d.finish_reason,
-             duration_s=round(time.monotonic() - start, 3))
-
-
-async def _until_disconnect(request: Request, work) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it (which aborts the request)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            log.info("client_disconnected")
-    if task.cancelled():
-        return JSONResponse(error_body("client disconnected", 499), status_code=499)
-    return task.result()
+async def _close_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        await s.aclose()

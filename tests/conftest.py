@@ -21,6 +21,7 @@ from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from server.launch import running_server
 from server.serving import ServingConfig
+from tests import triton_interpreter  # noqa: F401  (TRITON_INTERPRET before triton loads)
 
 TINY_NAME = "tiny-llama"
 
@@ -90,6 +91,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
             max_num_seqs=kw.pop("max_num_seqs", 64),
             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
             policy=kw.pop("policy", "fcfs"),
+            max_waiting_requests=kw.pop("max_waiting_requests", None),
         ),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),
@@ -97,13 +99,18 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
 
 
 @asynccontextmanager
-async def serve(model_dir: Path, name: str = TINY_NAME, **kw) -> AsyncIterator[httpx.AsyncClient]:
-    """Start an engine and a real Hypercorn server on a free loopback port; yield a client."""
+async def serve(model_dir: Path, name: str = TINY_NAME, app_kwargs: dict | None = None,
+                serving: ServingConfig | None = None, **kw) -> AsyncIterator[httpx.AsyncClient]:
+    """Start an engine and a real Hypercorn server on a free loopback port; yield a client.
+
+    ``serving`` chooses keys and template; ``app_kwargs`` go to ``build_app``; the rest to
+    ``engine_config``.
+    """
     config = engine_config(model_dir, **kw)
     engine = await AsyncEngine.start(config)
     try:
-        serving = ServingConfig(name, scheduling_policy=config.scheduler.policy)
-        async with running_server(engine, serving) as url:
+        serving = serving or ServingConfig(name, scheduling_policy=config.scheduler.policy)
+        async with running_server(engine, serving, **(app_kwargs or {})) as url:
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 yield client
     finally:

@@ -110,7 +110,8 @@ def test_raw_sse_format(server):
             "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}],
             "stream": True, "max_tokens": 8, "temperature": 0}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines() if ln]
+        # ": ping" comments (sse-starlette's keep-alive, every 15 s) are legal SSE; skip them
+        lines = [ln for ln in r.iter_lines() if ln and not ln.startswith(":")]
     assert all(ln.startswith("data: ") for ln in lines)
     assert lines[-1] == "data: [DONE]"
     first = json.loads(lines[0][6:])
@@ -137,3 +138,22 @@ def test_help_lists_flags_with_defaults():
                  "--served-model-name", "--seed", "--host", "--port", "--chat-template"]:
         assert flag in out
     assert "(default: 8000)" in out and "(default: 16)" in out
+
+
+def test_openai_n_logprobs_and_usage(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=2,
+        logprobs=True, top_logprobs=3, max_tokens=6, temperature=0.8, seed=5)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        content = c.logprobs.content
+        assert 1 <= len(content) <= 6
+        assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+        assert "".join(t.token for t in content).startswith(c.message.content)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert chunks[-1].usage.total_tokens == (chunks[-1].usage.prompt_tokens
+                                             + chunks[-1].usage.completion_tokens)

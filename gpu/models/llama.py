@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from gpu.attention import AttentionMetadata, TorchAttentionBackend
+from gpu.attention import AttentionBackend, AttentionMetadata
 
 
 def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -116,7 +116,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend)
         self.mlp = LlamaMLP(config)
@@ -129,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend, max_positions: int):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -145,11 +145,11 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: a transformers Llama/Mistral/Qwen2 config.
-        backend: attention backend (torch on CPU).
+        backend: attention backend (``gpu.attention.get_attention_backend``).
         max_positions: size of the RoPE table (``max_model_len``).
     """
 
-    def __init__(self, config: PretrainedConfig, backend: TorchAttentionBackend, max_positions: int):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, max_positions)

@@ -1,0 +1,217 @@
+"""Triton kernels: decode attention over the paged KV cache, with a split-KV variant.
+
+Same arguments and result as ``kernels.reference.paged_decode_attention``: one query token per
+sequence (at position ``seq_lens[i] - 1``) against that sequence's K/V, read through its
+``block_table`` row. Layout: ``key_cache``/``value_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_size]``.
+
+One program handles one (sequence, KV head) and all the query heads that share it (GQA), so each
+K/V element is read once per sequence. It walks the context in tiles of ``TILE_N`` tokens; each
+token's block id comes from the block table, so any block size works and blocks may be
+scattered. Softmax is online (running max ``m``, running sum ``l_sum``), in float32, in base 2.
+
+Split-KV ("flash-decoding", Dao et al. 2023): when the batch is too small to fill the GPU
+(``batch * num_kv_heads`` programs fewer than the SMs), each sequence's context is cut into
+``num_splits`` equal parts of its own length; each part yields a partial output and its
+log-sum-exp, and a second kernel combines them. The split boundaries come from ``seq_lens`` on
+the device, so the grid depends only on the batch size: the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    stride_kb, stride_ks, stride_kh,
+    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This split's tokens: an equal share of this sequence, rounded up to whole tiles.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(seq_len, start + per_split)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_SIZE
+    heads = kv_head * GROUP + offs_g  # the query heads sharing this KV head
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    ).to(tl.float32) * qk_scale  # q: [G, D]
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for tile_start in range(start, end, TILE_N):
+        pos = tile_start + tl.arange(0, TILE_N)
+        n_mask = pos < end
+        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_off = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+                  + kv_head * stride_kh)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # s: [G, N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the tile has a valid token
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m - m_new)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    has_tokens = l_sum > 0  # false for an empty split (or a padded sequence of length 0)
+    o = acc / tl.where(has_tokens, l_sum, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=o_mask,
+        )
+    else:
+        # part_out: [B, H, S, HEAD_SIZE] float32; part_lse: [B, H, S] float32, base 2.
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], o, mask=o_mask)
+        log_sum = tl.math.log2(tl.where(has_tokens, l_sum, 1.0))
+        lse = tl.where(has_tokens, m + log_sum, float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_SIZE
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty
+    w = tl.math.exp2(lse - lse_max)  # 0 for empty splits
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d,
+             res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    batch: int, kv_heads: int, device: torch.device, max_seq_len: int | None = None
+) -> int:
+    """Split only when ``batch * kv_heads`` programs leave SMs idle, and only long contexts.
+
+    Depends on the batch size (and the optional host-side ``max_seq_len``), never on device
+    tensors, so it is fixed for a captured CUDA graph of a given batch size.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = batch * kv_heads
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    splits = min(triton.cdiv(2 * sms, programs), MAX_SPLITS)
+    if max_seq_len is not None:
+        splits = min(splits, max(1, max_seq_len // MIN_TOKENS_PER_SPLIT))
+    return splits
+
+
+def _tile_n(group_pad: int, head_pad: int) -> int:
+    """Tokens per tile: keep the ``[G, N, D]`` product within ~8K float32 registers."""
+    return max(16, min(64, triton.next_power_of_2(8192 // (group_pad * head_pad))))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention, a drop-in for ``kernels.reference.paged_decode_attention``.
+
+    Args (beyond the reference's):
+        num_splits: force the split-KV factor (``1``: no split); default ``choose_num_splits``.
+        max_seq_len: the longest ``seq_lens`` entry if the caller knows it on the host (only
+            used to avoid splitting short contexts; never read from the device).
+        out: ``[B, num_heads, head_size]`` to write into (last dimension contiguous).
+
+    Returns:
+        ``[B, num_heads, head_size]`` in the query's dtype.
+    """
+    num_seqs, num_heads, head_size = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv_heads}")
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    group = num_heads // kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, kv_heads, query.device, max_seq_len)
+    group_pad = max(triton.next_power_of_2(group), 2)
+    head_pad = max(triton.next_power_of_2(head_size), 16)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_size,
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits,
+                               dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, kv_heads, num_splits)](
+        query, key_cache, value_cache, block_table, seq_lens, out, part_out, part_lse,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        GROUP=group, GROUP_PAD=group_pad, TILE_N=_tile_n(group_pad, head_pad),
+        NUM_SPLITS=num_splits,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
+        )
+    return out

@@ -1,0 +1,144 @@
+"""Triton kernel: variable-length causal attention for prefill chunks over the paged KV cache.
+
+Same arguments and result as ``kernels.reference.paged_prefill_attention``. Sequence ``i``'s
+queries are ``query[query_start_loc[i]:query_start_loc[i+1]]``, its *last* ``q_len`` tokens of
+``seq_lens[i]``; their K/V (this chunk's, written by ``reshape_and_cache`` just before, and any
+earlier context: a prefix-cache hit or an earlier chunk) are read through the block table.
+
+Flash-attention style (Dao et al., 2022): one program per (sequence, tile of ``BLOCK_M``
+queries, query head) streams K/V tiles of ``BLOCK_N`` tokens up to its last query's position,
+with an online softmax in float32 and base 2. GQA maps query head ``h`` to KV head
+``h // group``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kb, stride_ks, stride_kh,
+    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens cached before this chunk
+    kv_head = head // GROUP
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_SIZE
+    q_pos = context_len + offs_m  # each query's position in its sequence
+    q = tl.load(
+        q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # q: [M, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    # Keys up to this tile's last query (causal); the first tile holds position 0, so every
+    # row has a finite running max from the first iteration on.
+    kv_end = tl.minimum(seq_len, context_len + (m_tile + 1) * BLOCK_M)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = pos < kv_end
+        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_off = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
+                  + kv_head * stride_kh)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # s: [M, N]
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(
+        out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill attention, a drop-in for ``kernels.reference.paged_prefill_attention``.
+
+    Args (beyond the reference's):
+        max_query_len: the longest chunk, if the caller knows it on the host; otherwise it is
+            read from ``query_start_loc`` (one device sync).
+        out: ``[T, num_heads, head_size]`` to write into (last dimension contiguous).
+
+    Returns:
+        ``[T, num_heads, head_size]`` in the query's dtype.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv_heads}")
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    head_pad = max(triton.next_power_of_2(head_size), 16)
+    block_m = 16 if max_query_len <= 16 else (32 if max_query_len <= 32 else 64)
+    block_n = 64 if head_pad <= 64 else 32
+    # Triton's CPU interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits:
+    # there, and only there, bfloat16 tiles are upcast to float32 before tl.dot.
+    dot_fp32 = query.dtype == torch.bfloat16 and query.device.type != "cuda"
+    # fp32 on a GPU would otherwise run its dots in tf32 (10-bit mantissa).
+    precision = "ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32"
+    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        GROUP=num_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
+        DOT_FP32=dot_fp32,
+    )
+    return out

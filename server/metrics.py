@@ -1,0 +1,135 @@
+"""``GET /metrics``: Prometheus text under vLLM's metric names, prefixed ``pagedserve:``.
+
+Each app owns a ``CollectorRegistry`` (never the process-global one), so several servers in
+one process keep their own counts. Two kinds of figure:
+
+- events, counted as they happen by ``PrometheusStatLogger`` (an engine ``StatLogger``): tokens,
+  finished requests by reason, TTFT / ITL / e2e / queue-time histograms, tokens per step;
+- levels and totals the scheduler owns (queue lengths, KV usage, preemptions, prefix-cache
+  queries and hits), read from a fresh ``GetStats`` snapshot at scrape time, so they are never
+  stale when the server has gone idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from actors.stats import RequestUpdate, StepStats
+
+PREFIX = "pagedserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Seconds; close to vLLM's buckets so dashboards built for it read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class PrometheusStatLogger:
+    """Counts engine events into the app's registry; ``render`` writes the exposition."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._snapshot = _SnapshotCollector(model_name)
+        self.registry.register(self._snapshot)
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.").labels(model_name)
+        self.generation_tokens = counter(
+            "generation_tokens", "Generated tokens.").labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # shown as 0 before the first one happens
+            self.request_success.labels(model_name, reason)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS).labels(model_name)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.",
+                             ITL_BUCKETS).labels(model_name)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to end of a request.",
+                             REQUEST_BUCKETS).labels(model_name)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival to first scheduled step.",
+                                    REQUEST_BUCKETS).labels(model_name)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per step.",
+                                          TOKEN_BUCKETS).labels(model_name)
+
+    # -- StatLogger ---------------------------------------------------------------------------
+
+    def record_step(self, step: StepStats) -> None:
+        self.iteration_tokens.observe(step.num_tokens)
+        for q in step.queue_times_s:
+            self.queue_time.observe(q)
+
+    def record_request(self, update: RequestUpdate) -> None:
+        if update.num_prompt_tokens:
+            self.prompt_tokens.inc(update.num_prompt_tokens)
+        if update.num_generation_tokens:
+            self.generation_tokens.inc(update.num_generation_tokens)
+        if update.ttft_s is not None:
+            self.ttft.observe(update.ttft_s)
+        if update.itl_s is not None:
+            self.itl.observe(update.itl_s)
+        if update.finish_reason is not None:
+            self.request_success.labels(self.model_name, update.finish_reason).inc()
+        if update.e2e_s is not None:
+            self.e2e.observe(update.e2e_s)
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def render(self, snapshot: dict[str, Any]) -> bytes:
+        """The exposition, with the scheduler's figures taken from ``snapshot`` (a
+        ``GetStats`` reply fetched for this scrape)."""
+        self._snapshot.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector(Collector):
+    """Gauges and scheduler-owned totals, from the snapshot handed to ``render``."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.snapshot is None:  # registration calls collect() once to learn the names
+            return
+        sched, kv = self.snapshot["scheduler"], self.snapshot["kv_cache"]
+        yield self._gauge("num_requests_running", "Requests in the running batch.",
+                          sched["num_running"])
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          sched["num_waiting"])
+        yield self._gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", kv["usage"])
+        yield self._counter("num_preemptions", "Preemptions (recompute).",
+                            sched["num_preempted_total"])
+        yield self._counter("prefix_cache_queries", "Prefix-cache queries, in tokens.",
+                            kv["prefix_cache_queries"])
+        yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.",
+                            kv["prefix_cache_hits"])
+
+    def _gauge(self, name: str, doc: str, value: float) -> Metric:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c

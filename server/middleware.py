@@ -1,0 +1,92 @@
+"""ASGI guard in front of the app: API key, request-body size limit, content type.
+
+Pure ASGI (not Starlette middleware) so an oversized body is refused from its
+``Content-Length`` before a byte of it is read, and a chunked one as soon as it passes the
+limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from server.errors import OpenAIError, error_body
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics"})
+
+
+class RequestGuard:
+    """Args:
+    app: the ASGI app behind the guard.
+    api_key: when set, every path outside ``open_paths`` needs ``Authorization: Bearer <key>``
+        (compared in constant time).
+    max_body_bytes: larger request bodies get 413.
+    open_paths: paths this guard lets through without the API key: ``/health``, the pages
+        (which hold no data) and the operator routes, which check the admin key themselves.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
+                 open_paths: frozenset[str] = OPEN_PATHS):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.open_paths = open_paths
+        self.draining = False  # set on SIGTERM: new requests get 503
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.draining:
+            return await _reply(send, 503, "server is shutting down", {"retry-after": "1"})
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        path = scope["path"]
+        if (self.api_key is not None and path not in self.open_paths
+                and not path.startswith("/static/")):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):
+                return await _reply(send, 401, "invalid or missing API key "
+                                    "(send Authorization: Bearer <key>)")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if ctype and ctype != b"application/json" and not ctype.endswith(b"+json"):
+                return await _reply(send, 415, f"content type {ctype.decode()!r} is not "
+                                    "supported; send application/json")
+            length = headers.get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                return await _reply(send, 413, f"request body of {int(length)} bytes exceeds "
+                                    f"the limit of {self.max_body_bytes}")
+            receive = self._limited(receive)
+        await self.app(scope, receive, send)
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def wrapped() -> MutableMapping[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # raised inside the handler's body read → its 413 handler
+                    raise OpenAIError(f"request body exceeds the limit of {limit} bytes", 413)
+            return message
+
+        return wrapped
+
+
+async def _reply(send: Send, status: int, message: str,
+                 extra_headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(message, status)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,153 @@
+// The dashboard: reads /admin/events (stats snapshots over SSE, sent with the admin key when
+// one is needed) and draws cards, four live charts, the request table and the settings.
+import { TimeChart } from "./charts.js";
+import { authHeaders, errorMessage, readEvents } from "./sse.js";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "pagedserve.adminKey";
+const WINDOW_S = 60;
+
+const charts = {
+  queues: new TimeChart($("chart-queues"), [{ name: "running" }, { name: "waiting" }],
+    { windowS: WINDOW_S }),
+  kv: new TimeChart($("chart-kv"), [{ name: "used", color: "#16a34a" }],
+    { windowS: WINDOW_S, unit: "%", fixedMax: 100 }),
+  tps: new TimeChart($("chart-tps"), [{ name: "prompt" }, { name: "generation" }],
+    { windowS: WINDOW_S }),
+  step: new TimeChart($("chart-step"), [{ name: "step", color: "#9333ea" }],
+    { windowS: WINDOW_S, unit: "ms" }),
+};
+
+// What tests and curious operators can read from the console.
+const dash = { snapshots: 0, last: null };
+window.pagedserveDashboard = dash;
+
+let prevSteps = null;
+let configShown = false;
+
+function setConn(state, text) {
+  $("conn").dataset.state = state;
+  $("conn").textContent = text;
+}
+
+function text(id, v) {
+  $(id).textContent = v;
+}
+
+function meanNewStepMs(snap) {
+  const total = snap.scheduler.num_steps_total;
+  const fresh = prevSteps === null ? 0 : Math.min(total - prevSteps, snap.steps.length);
+  prevSteps = total;
+  if (fresh <= 0) return null; // no step since the last snapshot: a gap, not a zero
+  const rows = snap.steps.slice(-fresh);
+  return rows.reduce((a, r) => a + r.duration_ms, 0) / rows.length;
+}
+
+function renderTable(rows) {
+  const body = $("requests").tBodies[0];
+  const trs = rows.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.state = r.state;
+    const cells = [r.id, r.state, r.priority, r.prompt_tokens, r.output_tokens,
+      r.num_computed_tokens, r.num_blocks, r.cached_tokens, r.age_s.toFixed(1),
+      r.ttft_s === null ? "–" : r.ttft_s.toFixed(3)];
+    for (const c of cells) {
+      const td = document.createElement("td");
+      td.textContent = String(c);
+      tr.append(td);
+    }
+    tr.firstChild.title = r.id;
+    return tr;
+  });
+  body.replaceChildren(...trs);
+  text("req-count", `(${rows.length})`);
+}
+
+function renderConfig(snap) {
+  const m = snap.model;
+  const c = snap.config;
+  const items = [
+    ["model", m.name], ["path", m.path], ["dtype", m.dtype], ["device", m.device],
+    ["max_model_len", m.max_model_len], ["block_size", c.cache.block_size],
+    ["num_blocks", c.cache.num_blocks], ["max_num_seqs", c.scheduler.max_num_seqs],
+    ["max_num_batched_tokens", c.scheduler.max_num_batched_tokens],
+    ["policy", snap.scheduler.policy],
+  ];
+  const nodes = [];
+  for (const [k, v] of items) {
+    const dt = document.createElement("dt");
+    dt.textContent = k;
+    const dd = document.createElement("dd");
+    dd.textContent = String(v);
+    nodes.push(dt, dd);
+  }
+  $("config").replaceChildren(...nodes);
+}
+
+function onSnapshot(snap) {
+  const s = snap.scheduler;
+  const kv = snap.kv_cache;
+  const tp = snap.throughput;
+  const t = performance.now() / 1000;
+  text("num-running", s.num_running);
+  text("num-waiting", s.num_waiting);
+  text("num-preempted", s.num_preempted_total);
+  text("kv-usage", `${(kv.usage * 100).toFixed(1)}%`);
+  text("kv-blocks", `${kv.num_blocks - kv.num_free_blocks} / ${kv.num_blocks} blocks`);
+  text("prompt-tps", tp.prompt_tokens_per_s.toFixed(0));
+  text("gen-tps", tp.generation_tokens_per_s.toFixed(0));
+  text("hit-rate", `${(kv.prefix_cache_hit_rate * 100).toFixed(1)}%`);
+  text("cached-blocks", `${kv.num_cached_blocks} cached blocks`);
+  text("num-steps", s.num_steps_total);
+  charts.queues.push(t, [s.num_running, s.num_waiting]);
+  charts.kv.push(t, [kv.usage * 100]);
+  charts.tps.push(t, [tp.prompt_tokens_per_s, tp.generation_tokens_per_s]);
+  charts.step.push(t, [meanNewStepMs(snap)]);
+  renderTable(s.requests);
+  if (!configShown) {
+    renderConfig(snap);
+    configShown = true;
+  }
+  dash.snapshots += 1;
+  dash.last = snap;
+}
+
+function drawLoop() {
+  const now = performance.now() / 1000;
+  for (const c of Object.values(charts)) c.draw(now);
+  requestAnimationFrame(drawLoop);
+}
+
+async function connect() {
+  for (;;) {
+    const key = localStorage.getItem(KEY_STORE) || "";
+    try {
+      const r = await fetch("/admin/events", { headers: authHeaders(key) });
+      if (r.status === 401) {
+        setConn("auth", "admin key needed");
+        $("key-form").hidden = false;
+        $("key-error").textContent = key ? await errorMessage(r) : "";
+        await new Promise((resolve) => $("key-form").addEventListener("submit", resolve,
+          { once: true }));
+        continue;
+      }
+      if (!r.ok) throw new Error(await errorMessage(r));
+      $("key-form").hidden = true;
+      setConn("live", "live");
+      await readEvents(r, ({ event, data }) => {
+        if (event === "stats") onSnapshot(JSON.parse(data));
+      });
+      setConn("down", "stream ended; reconnecting…");
+    } catch (e) {
+      setConn("down", `disconnected (${e.message}); reconnecting…`);
+    }
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+  }
+}
+
+$("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  localStorage.setItem(KEY_STORE, $("admin-key").value.trim());
+});
+requestAnimationFrame(drawLoop);
+connect();

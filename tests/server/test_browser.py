@@ -1,0 +1,206 @@
+"""The chat page and the dashboard in a real headless Chromium (Debian's, driven by playwright),
+against a real server on the tiny model. Screenshots go to ``artifacts/``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from server.serving import ServingConfig
+from tests.conftest import TINY_NAME, serve, stats
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def browser():
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        async_playwright = None
+    if async_playwright is None or not os.access(CHROMIUM, os.X_OK):
+        why = f"needs the playwright package and {CHROMIUM} (make test installs both)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    ARTIFACTS.mkdir(exist_ok=True)
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        await b.close()
+
+
+def watch_requests(page, base: str) -> list:
+    seen: list = []
+    page.on("request", lambda r: seen.append(r))
+    page.on("pageerror", lambda e: seen.append(RuntimeError(f"page error: {e}")))
+    return seen
+
+
+def assert_offline(seen: list, base: str) -> None:
+    """Every request the page made went to pagedserve itself, and no script failed."""
+    errors = [e for e in seen if isinstance(e, Exception)]
+    assert not errors, errors
+    assert seen and all(r.url.startswith(base) for r in seen), [r.url for r in seen]
+
+
+async def wait_for(check, timeout: float = 5.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _at_least(value, n: int) -> bool:
+    return (await value) >= n
+
+
+async def abort_count(client: httpx.AsyncClient, headers=None) -> float:
+    text = (await client.get("/metrics", headers=headers)).text
+    line = f'pagedserve:request_success_total{{finished_reason="abort",model_name="{TINY_NAME}"}}'
+    return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
+async def test_chat_page_streams_keeps_conversation_and_stop_aborts(browser, tiny_model_dir):
+    from playwright.async_api import expect
+
+    async with serve(tiny_model_dir, max_model_len=2048, num_blocks=1024) as client:
+        base = str(client.base_url).rstrip("/")
+        page = await browser.new_page(viewport={"width": 1100, "height": 760})
+        seen = watch_requests(page, base)
+        await page.goto(base + "/")
+        await expect(page.locator("#model-name")).to_have_text(TINY_NAME)
+        await page.click("#settings summary")
+        await page.fill("#api-key", "sk-page")
+        await page.fill("#max-tokens", "1500")
+        await page.fill("#temperature", "0")
+        await page.check("#ignore-eos")
+        await page.fill("#prompt", "Tell me a very long story about paged attention.")
+        await page.press("#prompt", "Enter")
+
+        # tokens stream into the page while the server is still generating
+        async def tokens_shown() -> int:
+            return int(await page.locator("#gen-stats").get_attribute("data-tokens") or 0)
+
+        await wait_for(lambda: _at_least(tokens_shown(), 20), 30.0, "20 streamed tokens")
+        answer = page.locator(".msg.assistant .content").last
+        assert len(await answer.inner_text()) > 0
+        busy = await stats(client)
+        assert busy["scheduler"]["num_running"] == 1
+        assert busy["kv_cache"]["num_free_blocks"] < busy["kv_cache"]["num_blocks"]
+        assert busy["scheduler"]["requests"][0]["output_tokens"] >= 20
+        await expect(page.locator("#stop")).to_be_enabled()
+        await page.screenshot(path=ARTIFACTS / "chat-streaming.png")
+
+        await page.click("#stop")
+        idle = await wait_for(lambda: _idle(client), 2.0, "the aborted request's blocks")
+        assert idle["kv_cache"]["usage"] == 0.0 and idle["scheduler"]["requests"] == []
+        assert await abort_count(client) == 1
+        await expect(page.locator("#gen-stats")).to_contain_text("stopped")
+        shown = await tokens_shown()
+        await asyncio.sleep(0.3)
+        assert await tokens_shown() == shown
+        assert float(await page.locator("#gen-stats").get_attribute("data-tokens-per-s")) > 0
+        stopped_text = await answer.inner_text()
+        await page.screenshot(path=ARTIFACTS / "chat-stopped.png")
+
+        # a second turn carries the conversation, the partial answer included
+        await page.uncheck("#ignore-eos")
+        await page.fill("#max-tokens", "8")
+        await page.fill("#prompt", "And then?")
+        await page.click("#send")
+        await expect(page.locator("#gen-stats")).to_contain_text("finished", timeout=30000)
+        await expect(page.locator(".msg")).to_have_count(4)
+        posts = [r for r in seen if not isinstance(r, Exception) and r.method == "POST"]
+        assert len(posts) == 2
+        second = json.loads(posts[1].post_data)
+        assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+        assert second["messages"][1]["content"] == stopped_text
+        assert second["stream"] is True and second["max_tokens"] == 8
+        assert all(r.headers.get("authorization") == "Bearer sk-page" for r in posts)
+        await page.screenshot(path=ARTIFACTS / "chat-conversation.png")
+        assert_offline(seen, base)
+        await page.close()
+
+
+async def _idle(client: httpx.AsyncClient, headers=None) -> dict | None:
+    s = (await client.get("/admin/stats", headers=headers)).json()
+    kv = s["kv_cache"]
+    done = s["scheduler"]["num_running"] == 0 and kv["num_free_blocks"] == kv["num_blocks"]
+    return s if done else None
+
+
+async def long_stream(client: httpx.AsyncClient, i: int) -> None:
+    payload = {"prompt": f"{i} little pigs", "max_tokens": 1800, "ignore_eos": True,
+               "stream": True}
+    async with client.stream("POST", "/v1/completions", json=payload) as r:
+        async for _ in r.aiter_lines():
+            pass
+
+
+async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
+    from playwright.async_api import expect
+
+    key = {"Authorization": "Bearer sk-admin"}
+    serving = ServingConfig(TINY_NAME, admin_key="sk-admin")
+    async with serve(tiny_model_dir, serving=serving, max_num_seqs=4, max_model_len=2048,
+                            num_blocks=1024) as client:
+        base = str(client.base_url).rstrip("/")
+        page = await browser.new_page(viewport={"width": 1280, "height": 1100})
+        seen = watch_requests(page, base)
+        await page.goto(base + "/admin")
+        await expect(page.locator("#key-form")).to_be_visible()  # 401 → the page asks
+        await page.fill("#admin-key", "sk-admin")
+        await page.click("#key-form button")
+        await expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+        await expect(page.locator("#num-running")).to_have_text("0")
+        await expect(page.locator("#config")).to_contain_text("max_num_seqs")
+
+        queues = page.locator("#chart-queues")
+        before = await queues.evaluate("c => c.toDataURL()")
+        tasks = [asyncio.create_task(long_stream(client, i)) for i in range(8)]
+        try:
+            await expect(page.locator("#num-running")).to_have_text("4", timeout=30000)
+            await expect(page.locator("#num-waiting")).to_have_text("4")
+            await expect(page.locator("#requests tbody tr")).to_have_count(8)
+            n0 = await page.evaluate("window.pagedserveDashboard.snapshots")
+            await asyncio.sleep(1.5)  # the charts keep moving under load
+            n1 = await page.evaluate("window.pagedserveDashboard.snapshots")
+            assert n1 - n0 >= 3
+            assert await queues.evaluate("c => c.toDataURL()") != before
+            for chart in ("#chart-kv", "#chart-tps", "#chart-step"):
+                blank = await page.evaluate(
+                    "id => { const c = document.querySelector(id); const d = document"
+                    ".createElement('canvas'); d.width = c.width; d.height = c.height;"
+                    " return c.toDataURL() === d.toDataURL(); }", chart)
+                assert not blank, chart
+            assert float(await page.inner_text("#gen-tps")) > 0
+            assert (await page.inner_text("#kv-usage")) != "0.0%"
+            await page.screenshot(path=ARTIFACTS / "admin-load.png", full_page=True)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_for(lambda: _idle(client, key), 2.0, "idle after the load is cancelled")
+        await expect(page.locator("#num-running")).to_have_text("0")
+        await expect(page.locator("#num-waiting")).to_have_text("0")
+        await expect(page.locator("#requests tbody tr")).to_have_count(0)
+        await expect(page.locator("#kv-usage")).to_have_text("0.0%")
+        await page.screenshot(path=ARTIFACTS / "admin-idle.png", full_page=True)
+        events = [r for r in seen if not isinstance(r, Exception) and r.url.endswith("/events")]
+        assert events and events[-1].headers.get("authorization") == "Bearer sk-admin"
+        assert_offline(seen, base)
+        await page.close()
