@@ -194,3 +194,11 @@ async def test_waiting_for_grammar_then_runs(tiny_model_dir):
             await run("bad", bad)
     finally:
         await engine.shutdown()
+
+
+async def test_n_choices_each_follow_the_grammar(client):
+    body = await chat(client, "Pick", n=3, temperature=1.0, seed=3, max_tokens=20,
+                      guided_regex=WORD)
+    texts = [c["message"]["content"] for c in body["choices"]]
+    assert len(texts) == 3 and all(re.fullmatch(WORD, t) for t in texts), texts
+    assert all(c["finish_reason"] == "stop" for c in body["choices"])
