@@ -6,7 +6,7 @@ ARGS   ?=
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench bench-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(STAMP) $(CHROMIUM)
 
 bench: $(STAMP)
 	$(PY) loadtest/bench_engine.py
+
+bench-serving: $(STAMP)
+	mkdir -p artifacts
+	$(PY) loadtest/bench_serving.py --launch --backend both --dataset loadgen \
+		--max-concurrency 1,8,32 --num-prompts 4,16,64 --ignore-eos --hf-dtype bfloat16 \
+		--result-json artifacts/bench.json --plot artifacts/bench.png $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -181,6 +181,18 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _stack_params(state: dict[str, torch.Tensor], mapping) -> None:
+    """Concatenate checkpoint tensors into the model's fused ones (``q_proj``, ``k_proj``,
+    ``v_proj`` → ``qkv_proj``), in place: one matmul instead of three per layer."""
+    for fused, parts in mapping:
+        first = f".{parts[0]}."
+        for name in [n for n in state if first in n]:
+            sources = [name.replace(first, f".{p}.") for p in parts]
+            if all(s in state for s in sources):
+                fused_name = name.replace(first, f".{fused}.")
+                state[fused_name] = torch.cat([state.pop(s) for s in sources])
+
+
 def load_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy the directory's weights into ``model`` (names as in transformers).
 
@@ -188,6 +200,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
         ModelLoadError: a parameter of ours has no weight in the files.
     """
     state = load_state_dict(path)
+    _stack_params(state, getattr(model, "stacked_params", ()))
     if "lm_head.weight" not in state and getattr(model.config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -6,6 +6,7 @@ flattened batch of every scheduled request (prefill chunks and decodes together)
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,10 +28,41 @@ log = structlog.get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16), so bfloat16 beats
+    float32 there; elsewhere torch emulates it and float32 is faster."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def cpu_threads() -> int:
+    """torch threads for the forward pass: ``PAGEDSERVE_CPU_THREADS``, else all cores but one.
+
+    The event loop (HTTP, SSE, detokenizing) needs a core too; when it shares one with a
+    thread of the forward pass, every parallel region waits for that thread, and on a
+    2-core machine a decode step took several times longer with 2 threads than with 1.
+    """
+    env = os.environ.get("PAGEDSERVE_CPU_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) - 1)
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on the CPU (the parity oracle's dtype), bfloat16 on CUDA."""
+    """``auto``: bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AMX), else float32.
+    Parity with transformers' float32 ``generate`` holds in float32 only; pass it explicitly."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_bf16_matmul():
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
@@ -78,6 +110,8 @@ class ModelRunner:
         mc, cc = self.model_config, self.cache_config
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = pick_dtype(mc.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads())
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
         self.hf_config = loader.load_config(resolved.path)

@@ -65,23 +65,23 @@ def paged_decode_attention(
     Returns:
         ``[B, num_heads, head_size]`` in the query's dtype (softmax in float32).
     """
-    num_seqs, num_heads, head_size = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_size = key_cache.shape[1]
     max_len = int(seq_lens.max())
     max_blocks = -(-max_len // block_size)
-    blocks = block_table[:, :max_blocks].long()
-    # [B, L, Hkv, D]: every sequence padded to the longest; padding masked below.
-    k = key_cache[blocks].flatten(1, 2)[:, :max_len]
-    v = value_cache[blocks].flatten(1, 2)[:, :max_len]
-    group = num_heads // kv_heads
-    q = query.view(num_seqs, kv_heads, group, head_size).float()
-    # scores: [B, Hkv, G, L]
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k.float()) * scale
-    pad = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+    num_seqs, kv_heads, head_size = query.shape[0], key_cache.shape[2], key_cache.shape[3]
+    blocks = block_table[:, :max_blocks].reshape(-1)
+    # [B, Hkv, L, D]: every sequence padded to the longest, padding masked. index_select copies
+    # whole blocks (2x faster than advanced indexing on the CPU).
+    shape = (num_seqs, max_blocks * block_size, kv_heads, head_size)
+    k = key_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2)
+    v = value_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2)
+    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
+    # One batched call for all sequences and heads; GQA without repeating K/V. torch's CPU
+    # kernel accumulates in float32 for bfloat16 inputs.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [B, H, 1, D]
+    return out.squeeze(2)
 
 
 def paged_prefill_attention(
@@ -106,8 +106,6 @@ def paged_prefill_attention(
         ``[T, num_heads, head_size]`` in the query's dtype.
     """
     out = torch.empty_like(query)
-    num_heads, kv_heads = query.shape[1], key_cache.shape[2]
-    group = num_heads // kv_heads
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -115,14 +113,15 @@ def paged_prefill_attention(
         q_len = q.shape[0]
         k = gather_kv(key_cache, block_table[i], seq_len)
         v = gather_kv(value_cache, block_table[i], seq_len)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        # Query j sits at position seq_len - q_len + j and sees keys up to it.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        if q_len == seq_len:  # no cached context: plain causal attention
+            mask, causal = None, True
+        else:  # query j sits at position seq_len - q_len + j and sees keys up to it
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+            causal = False
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            is_causal=causal, scale=scale, enable_gqa=True,
         )
         out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
     return out

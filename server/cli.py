@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name clients send as `model` (default: HuggingFaceTB/SmolLM2-135M-"
                         "Instruct for the embedded model, else the model as given)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
+                   help="weights and activations dtype; auto = bfloat16 on CUDA and on "
+                        "CPUs with AMX/AVX512-BF16, else float32")
     s.add_argument("--seed", type=int, default=0, help="global random seed")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")

@@ -82,7 +82,9 @@ def chat_prompt_ids(path: Path, content: str) -> list[int]:
 
 def engine_config(model_dir: Path, **kw) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=str(model_dir), max_model_len=kw.pop("max_model_len", 512)),
+        # float32: greedy parity with transformers' float32 generate is exact only there.
+        model=ModelConfig(model=str(model_dir), max_model_len=kw.pop("max_model_len", 512),
+                          dtype=kw.pop("dtype", "float32")),
         cache=CacheConfig(
             num_gpu_blocks_override=kw.pop("num_blocks", 256),
             block_size=kw.pop("block_size", 16),

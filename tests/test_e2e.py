@@ -26,7 +26,8 @@ PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
 def server(default_model_dir):
     port = free_port()
     proc = subprocess.Popen(
-        [PAGEDSERVE, "serve", "--port", str(port), "--max-model-len", "2048"],
+        [PAGEDSERVE, "serve", "--port", str(port), "--max-model-len", "2048",
+         "--dtype", "float32"],  # parity with transformers is exact in float32
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"

@@ -43,7 +43,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # rotate_half's minus sign folded into the first half of sin: bit-identical results,
+        # one negation fewer per q and k per layer (``apply_rope``).
+        sin = emb.sin() * scaling
+        sin[:, : head_size // 2] *= -1
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin: ``[T, 1, D]`` for broadcasting over heads."""
@@ -51,10 +55,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[T, H, D]``."""
+    """x: ``[T, H, D]``; ``sin`` carries rotate_half's sign (see ``RotaryEmbedding``)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
 
 
 class RMSNorm(nn.Module):
@@ -82,9 +86,9 @@ class LlamaAttention(nn.Module):
         # Qwen2 has q/k/v biases without saying so in attention_bias.
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         h, d = config.hidden_size, self.head_size
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        # q, k and v in one matmul: HF's q_proj/k_proj/v_proj are concatenated at load time.
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.backend = backend
 
@@ -93,9 +97,10 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_size)  # q: [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_size)  # k: [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_size)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_size)  # q: [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_size)  # k: [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_size)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
@@ -107,12 +112,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
+        # gate and up in one matmul (HF's gate_proj/up_proj concatenated at load time).
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -148,6 +154,11 @@ class LlamaForCausalLM(nn.Module):
         backend: attention backend (``gpu.attention.get_attention_backend``).
         max_positions: size of the RoPE table (``max_model_len``).
     """
+
+    # Our fused parameters and the HF checkpoint names they are concatenated from (dim 0, in
+    # order), as vLLM's ``stacked_params_mapping``.
+    stacked_params = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                      ("gate_up_proj", ("gate_proj", "up_proj")))
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()

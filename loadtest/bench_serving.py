@@ -1,0 +1,505 @@
+"""Serving benchmark for any OpenAI-compatible server, and a plain-transformers baseline.
+
+The equivalent of ``vllm bench serve``: a seeded workload is sent as streamed chat requests
+(``/v1/chat/completions``, ``stream: true``) at each ``--max-concurrency`` level (closed loop),
+optionally paced by ``--request-rate`` (Poisson arrivals). It reports completed/failed requests,
+request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median,
+p99), writes them as JSON, and with a sweep (``--max-concurrency 1,8,32``) a PNG of throughput
+and latency against concurrency.
+
+``--backend hf`` runs the same workload through transformers' ``generate`` in static batches
+(batch = concurrency), the baseline every figure is compared with. ``--backend both`` measures
+the server and then the baseline in one run.
+
+Datasets (``--dataset``):
+  loadgen        the llama.cpp comparison workload: prompts of 20-400 words of plain English
+                 (half short, half long) under one of six tasks, 32-256 output tokens, greedy,
+                 EOS ignored; the same requests as ../shared/bench/loadgen.py for a seed.
+  random         random words, ``--input-len`` and ``--output-len`` ranges (``lo:hi``, words
+                 and tokens).
+  shared-prefix  ``random`` behind one long common system prompt (``--prefix-words``).
+  sharegpt       a ShareGPT-style JSON file (``--dataset-path``): the first human turn of each
+                 conversation; output length from ``--output-len``.
+
+Example (pagedserve on :8000, baseline in the same run):
+    .venv/bin/python loadtest/bench_serving.py --backend both --base-url http://127.0.0.1:8000/v1 \
+        --dataset loadgen --max-concurrency 1,8,32 --num-prompts 4,16,64 --ignore-eos \
+        --result-json artifacts/bench.json --plot artifacts/bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# -- workloads --------------------------------------------------------------------------------
+
+# The llama.cpp comparison workload's vocabulary and tasks (fixed: they define the workload).
+WORDS = (
+    "the of and to in is that it was for on are as with his they at be this "
+    "from have or by one had not but what all were when we there can an your "
+    "which their said if do will each about how up out them then she many some "
+    "so these would other into has more her two like him see time could no make "
+    "than first been its who now people my made over did down only way find use "
+    "may water long little very after words called just where most know get "
+    "through back much before go good new write our used me man too any day same "
+    "right look think also around another came come work three word must because "
+    "does part even place well such here take why things help put years different "
+    "away again off went old number great tell men say small every found still "
+    "between name should home big give air line set own under read last never us "
+    "left end along while might next sound below saw something thought both few "
+    "those always looked show large often together asked house world going want "
+    "school important until form food keep children feet land side without boy "
+    "once animals life enough took sometimes four head above kind began almost "
+    "live page got earth need far hand high year mother light parts country father "
+    "let night following picture being study second eyes soon times story boys "
+    "since white days ever paper hard near sentence better best across during today "
+    "others however sure means knew try told young miles sun ways thing whole hear "
+    "example heard several change answer room sea against top turned learn point "
+    "city play toward five using himself usually river garden morning winter bread "
+    "mountain window music village table letter machine quiet simple question"
+).split()
+TASKS = (
+    "Summarize the following text.",
+    "Continue the story below.",
+    "Rewrite the following passage in simpler words.",
+    "List the main ideas in this text.",
+    "Explain what the following paragraph is about.",
+    "Write a short reply to this message.",
+)
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    messages: list[dict]
+    max_tokens: int
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    """``n_words`` words in sentences of 6-16 words, each capitalised and ending in a dot."""
+    words: list[str] = []
+    in_sentence, target = 0, rng.randint(6, 16)
+    for _ in range(n_words):
+        w = rng.choice(WORDS)
+        words.append(w.capitalize() if in_sentence == 0 else w)
+        in_sentence += 1
+        if in_sentence >= target:
+            words[-1] += "."
+            in_sentence, target = 0, rng.randint(6, 16)
+    if words and not words[-1].endswith("."):
+        words[-1] += "."
+    return " ".join(words)
+
+
+def loadgen_workload(n: int, seed: int) -> list[BenchRequest]:
+    """Request ``i`` is the same for any ``n > i``: a coin picks a short (20-80 words) or long
+    (150-400) prompt, then a task, the text, and max_tokens uniform in 32-256."""
+    rng = random.Random(f"workload:{seed}")
+    out = []
+    for _ in range(n):
+        n_words = rng.randint(20, 80) if rng.random() < 0.5 else rng.randint(150, 400)
+        task = rng.choice(TASKS)
+        text = _text(rng, n_words)
+        max_tokens = rng.randint(32, 256)
+        out.append(BenchRequest([{"role": "user", "content": f"{task}\n\n{text}"}], max_tokens))
+    return out
+
+
+def _range(spec: str) -> tuple[int, int]:
+    lo, _, hi = spec.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def random_workload(n: int, seed: int, input_len: str, output_len: str,
+                    prefix_words: int = 0) -> list[BenchRequest]:
+    rng = random.Random(f"random:{seed}")
+    system = []
+    if prefix_words:
+        prefix_rng = random.Random(f"prefix:{seed}")
+        system = [{"role": "system", "content": "You are a helpful assistant. Background notes "
+                   "follow. " + _text(prefix_rng, prefix_words)}]
+    (in_lo, in_hi), (out_lo, out_hi) = _range(input_len), _range(output_len)
+    out = []
+    for _ in range(n):
+        user = {"role": "user", "content": _text(rng, rng.randint(in_lo, in_hi))}
+        out.append(BenchRequest(system + [user], rng.randint(out_lo, out_hi)))
+    return out
+
+
+def sharegpt_workload(path: str, n: int, seed: int, output_len: str) -> list[BenchRequest]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    prompts = []
+    for conv in data:
+        turns = conv.get("conversations") or conv.get("conversation") or []
+        first = next((t for t in turns if t.get("from") in ("human", "user")), None)
+        if first and first.get("value"):
+            prompts.append(first["value"])
+    rng = random.Random(f"sharegpt:{seed}")
+    rng.shuffle(prompts)
+    lo, hi = _range(output_len)
+    return [BenchRequest([{"role": "user", "content": p}], rng.randint(lo, hi))
+            for p in prompts[:n]]
+
+
+def build_workload(args, n: int) -> list[BenchRequest]:
+    if args.dataset == "loadgen":
+        return loadgen_workload(n, args.seed)
+    if args.dataset == "random":
+        return random_workload(n, args.seed, args.input_len, args.output_len)
+    if args.dataset == "shared-prefix":
+        return random_workload(n, args.seed, args.input_len, args.output_len, args.prefix_words)
+    if args.dataset == "sharegpt":
+        if not args.dataset_path:
+            sys.exit("bench_serving: --dataset sharegpt needs --dataset-path FILE.json")
+        return sharegpt_workload(args.dataset_path, n, args.seed, args.output_len)
+    sys.exit(f"bench_serving: unknown dataset {args.dataset!r}")
+
+
+# -- one measured request ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sample:
+    """What one request measured (seconds, from the moment it was sent)."""
+
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+
+
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "median": None, "p99": None}
+    s = sorted(xs)
+    k = (len(s) - 1) * 0.99
+    lo = math.floor(k)
+    p99 = s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+    return {"mean": round(statistics.fmean(s) * 1e3, 2),
+            "median": round(statistics.median(s) * 1e3, 2), "p99": round(p99 * 1e3, 2)}
+
+
+def summarize(samples: list[Sample], wall: float, **extra) -> dict:
+    ok = [s for s in samples if s.ok]
+    out_tokens = sum(s.output_tokens for s in ok)
+    tpot = [(s.e2e - s.ttft) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]
+    return {
+        **extra,
+        "completed": len(ok),
+        "failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if s.error})[:3],
+        "duration_s": round(wall, 3),
+        "output_tokens": out_tokens,
+        "request_throughput": round(len(ok) / wall, 3),
+        "output_throughput": round(out_tokens / wall, 2),
+        "ttft_ms": _percentiles([s.ttft for s in ok if s.ttft is not None]),
+        "tpot_ms": _percentiles(tpot),
+        "itl_ms": _percentiles([g for s in ok for g in s.itls]),
+        "e2e_ms": _percentiles([s.e2e for s in ok]),
+    }
+
+
+async def _one(client: httpx.AsyncClient, args, req: BenchRequest) -> Sample:
+    body = {"model": args.model, "messages": req.messages, "max_tokens": req.max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    s = Sample()
+    start = last = time.perf_counter()
+    deltas = usage = ids = 0
+    try:
+        async with client.stream("POST", "/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    s.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return s
+                if chunk.get("usage"):
+                    usage = chunk["usage"].get("completion_tokens") or 0
+                for c in chunk.get("choices") or []:
+                    ids += len(c.get("token_ids") or [])
+                    if not (c.get("delta") or {}).get("content"):
+                        continue
+                    now = time.perf_counter()
+                    if s.ttft is None:
+                        s.ttft = now - start
+                    else:
+                        s.itls.append(now - last)
+                    last = now
+                    deltas += 1
+        s.e2e = time.perf_counter() - start
+        s.output_tokens = usage or ids or deltas
+        s.ok = s.ttft is not None
+        if not s.ok:
+            s.error = "no content received"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        s.error = f"{type(e).__name__}: {e}"[:200]
+    return s
+
+
+async def run_server_level(args, reqs: list[BenchRequest], concurrency: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    timeout = httpx.Timeout(args.timeout, connect=30)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), limits=limits,
+                                 timeout=timeout, headers=headers, trust_env=False) as client:
+        for _ in range(args.warmup):  # not measured
+            await _one(client, args, BenchRequest([{"role": "user", "content": "Hello!"}], 8))
+        sem = asyncio.Semaphore(concurrency)
+
+        async def limited(req: BenchRequest) -> Sample:
+            async with sem:
+                return await _one(client, args, req)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for req in reqs:
+            tasks.append(asyncio.create_task(limited(req)))
+            if args.request_rate != math.inf:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        samples = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return summarize(samples, wall, backend="server", max_concurrency=concurrency,
+                     num_prompts=len(reqs), request_rate=args.request_rate)
+
+
+# -- the transformers baseline ----------------------------------------------------------------
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it timestamps every generated token of the batch."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_hf_level(args, reqs: list[BenchRequest], batch: int, model, tok) -> dict:
+    """Static batches of ``batch`` requests, left-padded, each batch generating until its longest
+    request is done; a request's tokens come at the batch's steps, its end at its own last token."""
+    import torch
+    from transformers import StoppingCriteriaList
+
+    samples: list[Sample] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        group = reqs[i : i + batch]
+        texts = [tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
+                 for r in group]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        longest = max(r.max_tokens for r in group)
+        clock = _StepClock()
+        start = time.perf_counter()
+        kw = {"min_new_tokens": longest} if args.ignore_eos else {}
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=longest, do_sample=False,
+                           stopping_criteria=StoppingCriteriaList([clock]),
+                           pad_token_id=tok.pad_token_id, **kw)
+        for r in group:
+            n = min(r.max_tokens, len(clock.times))
+            steps = clock.times[:n]
+            gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+            samples.append(Sample(ok=True, ttft=steps[0] - start, e2e=steps[-1] - start,
+                                  output_tokens=n, itls=gaps))
+    wall = time.perf_counter() - t0
+    return summarize(samples, wall, backend="hf", max_concurrency=batch, num_prompts=len(reqs),
+                     dtype=args.hf_dtype)
+
+
+def load_hf(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = args.hf_model
+    if path is None:  # the embedded default, converted once by pagedserve's loader
+        from gpu import loader
+
+        path = str(loader.resolve_model(None).path)
+    # As the server's forward pass: all cores but one unless told (see gpu/model_runner.py).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(args.threads or max(1, (cores or 1) - 1))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.hf_dtype]
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, tok
+
+
+# -- a server of our own ----------------------------------------------------------------------
+
+
+@contextmanager
+def launched_server(args):
+    """``--launch``: run ``pagedserve serve`` (next to this Python) on a free port for the run."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "pagedserve"), "serve", "--port", str(port),
+           *shlex.split(args.server_args)]
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"bench_serving: {' '.join(cmd)} did not start (see --server-log)")
+            time.sleep(0.5)
+        yield f"{url}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def _row(r: dict) -> str:
+    return (f"{r['backend']:>6} {r.get('dtype', ''):>8} c={r['max_concurrency']:<3} "
+            f"n={r['completed']}/{r['num_prompts']} out={r['output_throughput']:7.1f} tok/s "
+            f"TTFT p50/p99 {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms "
+            f"ITL p50/p99 {r['itl_ms']['median']}/{r['itl_ms']['p99']} ms "
+            f"TPOT p50 {r['tpot_ms']['median']} ms E2E p50 {r['e2e_ms']['median']} ms")
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for backend in sorted({r["backend"] for r in results}):
+        rs = sorted((r for r in results if r["backend"] == backend),
+                    key=lambda r: r["max_concurrency"])
+        xs = [r["max_concurrency"] for r in rs]
+        ax1.plot(xs, [r["output_throughput"] for r in rs], "o-", label=backend)
+        ax2.plot(xs, [r["ttft_ms"]["p99"] for r in rs], "o-", label=f"{backend} TTFT p99")
+        ax2.plot(xs, [r["itl_ms"]["p99"] for r in rs], "s--", label=f"{backend} ITL p99")
+    ax1.set(xscale="log", xlabel="max concurrency", ylabel="output tokens/s",
+            title="throughput")
+    ax2.set(xscale="log", yscale="log", xlabel="max concurrency", ylabel="ms", title="latency")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["openai", "hf", "both"], default="openai")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--launch", action="store_true",
+                   help="start `pagedserve serve` on a free port for the run (ignores --base-url)")
+    p.add_argument("--server-args", default="", help="extra flags for the launched server")
+    p.add_argument("--server-log", default=None, help="file for the launched server's log")
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--api-key", default="")
+    p.add_argument("--dataset", default="loadgen",
+                   choices=["loadgen", "random", "shared-prefix", "sharegpt"])
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
+    p.add_argument("--input-len", default="20:400", help="words, lo:hi (random datasets)")
+    p.add_argument("--output-len", default="32:256", help="tokens, lo:hi")
+    p.add_argument("--prefix-words", type=int, default=1000, help="shared-prefix length, words")
+    p.add_argument("--num-prompts", default="32",
+                   help="requests per level; one value or one per --max-concurrency level")
+    p.add_argument("--max-concurrency", default="8", help="one level or a sweep: 1,8,32")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s, Poisson arrivals (default: all at once)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per level")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--hf-model", default=None, help="baseline model dir (default: embedded)")
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the baseline (default: cores - 1, as the server)")
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of the sweep")
+    return p.parse_args(argv)
+
+
+@contextmanager
+def _given(url: str):
+    yield url
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    levels = [int(c) for c in args.max_concurrency.split(",")]
+    counts = [int(n) for n in args.num_prompts.split(",")]
+    if len(counts) == 1:
+        counts *= len(levels)
+    if len(counts) != len(levels):
+        sys.exit("bench_serving: give one --num-prompts or one per --max-concurrency level")
+    results = []
+    if args.backend in ("openai", "both"):
+        with launched_server(args) if args.launch else _given(args.base_url) as url:
+            args.base_url = url
+            for c, n in zip(levels, counts, strict=True):
+                r = asyncio.run(run_server_level(args, build_workload(args, n), c))
+                print(_row(r), flush=True)
+                results.append(r)
+    if args.backend in ("hf", "both"):
+        model, tok = load_hf(args)
+        run_hf_level(args, build_workload(args, 1)[:1], 1, model, tok)  # warm-up
+        for c, n in zip(levels, counts, strict=True):
+            r = run_hf_level(args, build_workload(args, n), c, model, tok)
+            print(_row(r), flush=True)
+            results.append(r)
+    report = {"dataset": args.dataset, "seed": args.seed, "ignore_eos": args.ignore_eos,
+              "base_url": args.base_url, "results": results}
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

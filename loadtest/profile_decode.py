@@ -1,0 +1,82 @@
+"""Where a decode step's time goes: the model runner alone (no HTTP, no actors).
+
+Prefills ``--batch`` sequences of ``--context`` tokens, then times ``--steps`` decode steps of
+the whole batch and prints the median step time, the tokens/s that implies, and torch.profiler's
+table of the most expensive operators for a few of those steps.
+
+    .venv/bin/python loadtest/profile_decode.py --batch 1,8,32 --dtype float32,bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gpu.batch import ScheduledRequest, SchedulerOutput
+from gpu.config import CacheConfig, ModelConfig
+from gpu.model_runner import ModelRunner
+from gpu.sampling_params import SamplingParams
+
+
+def _requests(batch: int, context: int, block_size: int) -> list[dict]:
+    per_seq = -(-(context + 512) // block_size)
+    return [{"id": f"r{i}", "blocks": list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
+             "tokens": [(7 * i + j) % 1000 + 100 for j in range(context)]} for i in range(batch)]
+
+
+def _step(runner: ModelRunner, reqs: list[dict], prefill: bool) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    scheduled = []
+    for r in reqs:
+        toks = r["tokens"] if prefill else r["tokens"][-1:]
+        start = 0 if prefill else len(r["tokens"]) - 1
+        scheduled.append(ScheduledRequest(r["id"], toks, start, r["blocks"], params, True))
+    out = runner.execute_model(SchedulerOutput(scheduled))
+    for r in reqs:
+        r["tokens"].append(out.sampled_token_ids[r["id"]][0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", default="1,8,32")
+    p.add_argument("--dtype", default="float32,bfloat16")
+    p.add_argument("--context", type=int, default=200)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's table")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: keep)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for dtype in args.dtype.split(","):
+        runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048),
+                             CacheConfig(num_gpu_blocks_override=2400))
+        runner.load()
+        for batch in [int(b) for b in args.batch.split(",")]:
+            reqs = _requests(batch, args.context, runner.block_size)
+            for i in range(0, batch, 4):
+                _step(runner, reqs[i:i + 4], prefill=True)
+            for _ in range(3):
+                _step(runner, reqs, prefill=False)
+            wall, cpu = [], []
+            for _ in range(args.steps):
+                t, c = time.perf_counter(), time.process_time()
+                _step(runner, reqs, prefill=False)
+                wall.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
+            # CPU time is the steadier figure on a shared machine (exact with --threads 1).
+            w, c = statistics.median(wall), statistics.median(cpu)
+            print(f"dtype={dtype} batch={batch} decode step median wall {w * 1e3:.1f} ms "
+                  f"({batch / w:.0f} tok/s), cpu {c * 1e3:.1f} ms ({batch / c:.0f} tok/s)",
+                  flush=True)
+            if args.profile:
+                with torch.profiler.profile() as prof:
+                    for _ in range(5):
+                        _step(runner, reqs, prefill=False)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+if __name__ == "__main__":
+    main()
