@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -27,11 +28,12 @@ from actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetP
 from actors.request import Request, RequestOutput
 from actors.scheduler import Scheduler
 from actors.stats import RequestUpdate, StatLogger
+from actors.structured_output import StructuredOutputConfig, StructuredOutputManager
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelInfo, ModelRunner
 from gpu.sampler import TokenLogprobs
-from gpu.sampling_params import SamplingParams
+from gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +43,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 @dataclass(slots=True)
@@ -172,6 +175,7 @@ class AsyncEngine:
     def __init__(
         self, config: EngineConfig, info: ModelInfo, tokenizer: PreTrainedTokenizerBase,
         scheduler: Scheduler, executor: Executor, stat_loggers: list[StatLogger],
+        structured_output: StructuredOutputManager,
     ):
         self.config = config
         self.info = info
@@ -180,6 +184,7 @@ class AsyncEngine:
         self.executor = executor
         self._eos = frozenset(info.eos_token_ids)
         self.stat_loggers = stat_loggers  # shared with the scheduler; see add_stat_logger
+        self.structured_output = structured_output
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -206,6 +211,9 @@ class AsyncEngine:
             info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
             config.cache.prefix_caching_hash_algo,
         )
+        vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
+        structured_output = StructuredOutputManager(
+            tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
         stat_loggers: list[StatLogger] = []
         scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers)
         executor.start()
@@ -222,7 +230,8 @@ class AsyncEngine:
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
             load_seconds=round(info.load_seconds, 2),
         )
-        return cls(config, info, tokenizer, scheduler, executor, stat_loggers)
+        return cls(config, info, tokenizer, scheduler, executor, stat_loggers,
+                   structured_output)
 
     def add_stat_logger(self, logger: StatLogger) -> None:
         """Have ``logger`` see every step (from the scheduler) and every request update (from
@@ -247,6 +256,9 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
                           priority=priority, cache_salt=cache_salt)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_output.request_for(
+                params.structured_outputs)
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.scheduler.send(AddRequest(request, accepted))
         try:
@@ -268,6 +280,14 @@ class AsyncEngine:
         async with aclosing(stream):
             async for delta in stream:
                 yield delta
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile (or find cached) a guided-decoding constraint before starting a request.
+
+        Raises:
+            GrammarError: the constraint is invalid or took longer than the compile timeout.
+        """
+        await self.structured_output.compile(spec)
 
     async def get_stats(self) -> dict[str, Any]:
         """A snapshot from the scheduler actor, asked by message."""
@@ -310,3 +330,4 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         await self.scheduler.stop()
         await self.executor.stop()
+        self.structured_output.shutdown()

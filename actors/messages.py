@@ -28,6 +28,13 @@ class AbortRequest:
 
 
 @dataclass(slots=True)
+class GrammarReady:
+    """Grammar compile → scheduler: a request parked in ``WAITING_FOR_GRAMMAR`` can go on."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
 class AbortAll:
     """Shutdown → scheduler: end every request (their streams report ``reason``)."""
 

@@ -6,13 +6,18 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from actors.structured_output import StructuredOutputRequest
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # guided; its grammar is still compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -73,6 +78,7 @@ class Request:
     first_token_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     scheduled_time: float | None = None  # first time it was in a step (for queue time)
+    structured_output: StructuredOutputRequest | None = None  # guided decoding state
 
     @property
     def all_token_ids(self) -> list[int]:

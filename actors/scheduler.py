@@ -30,10 +30,12 @@ from actors.messages import (
     AddRequest,
     ExecuteModel,
     GetStats,
+    GrammarReady,
     ResetPrefixCache,
 )
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from actors.request_queue import make_request_queue
+from actors.structured_output import advance, grammar_bitmask
 from actors.stats import StatLogger, StepHistory, StepStats, request_row
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -55,6 +57,7 @@ class Scheduler(Actor):
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
         self.num_steps = 0
@@ -121,6 +124,8 @@ class Scheduler(Actor):
             self._on_add(msg)
         elif isinstance(msg, AbortRequest):
             self.abort_request(msg.request_id)
+        elif isinstance(msg, GrammarReady):
+            self._grammar_ready(msg.request_id)
         elif isinstance(msg, AbortAll):
             for request in list(self.requests.values()):
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -158,6 +163,28 @@ class Scheduler(Actor):
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.kv.update_block_hashes(request)
+        so = request.structured_output
+        if so is not None and not (so.ready and so.error is None):
+            # Park it until its compile ends (GrammarReady); the others keep running.
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[request.request_id] = request
+            so.notify_when_ready(asyncio.get_running_loop(),
+                                 lambda: self.send(GrammarReady(request.request_id)))
+            return
+        self.waiting.add(request)
+
+    def _grammar_ready(self, request_id: str) -> None:
+        """A parked request's compile ended: queue it, or fail it with the compile error."""
+        request = self.waiting_for_grammar.get(request_id)
+        if request is None:
+            return  # aborted meanwhile
+        error = request.structured_output.error  # type: ignore[union-attr]
+        if error is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            request.output_queue.put_nowait(RequestOutput([], "error", error))
+            return
+        del self.waiting_for_grammar[request_id]
+        request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -168,6 +195,8 @@ class Scheduler(Actor):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[request.request_id]
         else:
             self.waiting.remove(request)
         request.status = status
@@ -232,6 +261,8 @@ class Scheduler(Actor):
             scheduled.append(sr)
             budget -= n
         so = SchedulerOutput(scheduled, self.finished_req_ids)
+        so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
+            scheduled, self.requests)
         self.finished_req_ids = set()
         return so
 
@@ -281,7 +312,7 @@ class Scheduler(Actor):
                 request.first_token_time = now
             request.output_token_ids.extend(new)
             self.kv.update_block_hashes(request)
-            status = self._check_stop(request)
+            status = advance(request, new) or self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
             request.output_queue.put_nowait(RequestOutput(
@@ -337,6 +368,7 @@ class Scheduler(Actor):
             "scheduler": {
                 "policy": "fcfs",
                 "num_waiting": len(self.waiting),
+                "num_waiting_for_grammar": len(self.waiting_for_grammar),
                 "num_running": len(self.running),
                 "num_preempted_total": self.num_preemptions,
                 "num_steps_total": self.num_steps,

@@ -7,9 +7,13 @@ the tokens it computes this step, whether they are a prefill chunk or one decode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpu.sampler import TokenLogprobs
 from gpu.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -41,10 +45,18 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """A step's batch: the scheduled requests and the ids that ended since the last step."""
+    """A step's batch: the scheduled requests and the ids that ended since the last step.
+
+    Guided decoding: ``grammar_bitmask`` (int32 ``[G, ceil(vocab / 32)]``, a set bit = allowed)
+    holds one row per request that is guided and samples this step, and
+    ``structured_output_request_ids`` maps each such request id to its row. ``None`` / empty
+    when no guided request samples this step (unguided batches pay nothing).
+    """
 
     scheduled: list[ScheduledRequest]
     finished_req_ids: set[str] = field(default_factory=set)
+    grammar_bitmask: torch.Tensor | None = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

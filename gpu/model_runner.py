@@ -18,6 +18,7 @@ from gpu.attention import AttentionMetadata, get_attention_backend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
 from gpu.cuda_graph import CudaGraphRunner
+from gpu.grammar_bitmask import apply_grammar_bitmask
 from gpu.models.llama import LlamaForCausalLM
 from gpu.sampler import SampleRow, sample
 from gpu.sampling_params import SamplingParams
@@ -298,6 +299,9 @@ class ModelRunner:
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
+        if so.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
+                                  [r.req_id for r in sampled_reqs])
         out = sample(logits, [self._row(r) for r in sampled_reqs])
         return ModelRunnerOutput(
             {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},

@@ -6,6 +6,36 @@ Ranges are checked at the HTTP layer; these are plain data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A guided-decoding constraint (vLLM's ``StructuredOutputsParams``); exactly one of
+    ``json``, ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF) or ``json_object`` is set.
+
+    Attributes:
+        json: a JSON schema (dict or its text).
+        regex: the whole output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar in xgrammar's dialect (start rule ``root``).
+        json_object: any JSON object.
+        disable_any_whitespace: JSON in its compact form, no free whitespace between tokens.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds that are set (valid params have exactly one)."""
+        set_ = {"json": self.json is not None, "regex": self.regex is not None,
+                "choice": self.choice is not None, "grammar": self.grammar is not None,
+                "json_object": self.json_object}
+        return [k for k, on in set_.items() if on]
 
 
 @dataclass(slots=True)
@@ -33,6 +63,7 @@ class SamplingParams:
         logprobs: return this many top alternatives per token (``None`` = no logprobs; 0 = only
             the sampled token's). Values are ``log_softmax`` of the logits sampled from: after
             logit bias, min_tokens, penalties and temperature, before top-k/top-p/min-p.
+        structured_outputs: a guided-decoding constraint, or ``None``.
     """
 
     temperature: float = 1.0
@@ -52,6 +83,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ import structlog
 
 from actors.config import SchedulerConfig
 from actors.engine import AsyncEngine, EngineConfig
+from actors.structured_output import StructuredOutputConfig
 from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
 from gpu.loader import ModelLoadError
 from server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "$PAGEDSERVE_ADMIN_KEY; unset = the API key, if any, else open)")
     s.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="device; default: CUDA when present")
+    s.add_argument("--structured-output-compile-timeout", type=float, default=5.0,
+                   help="seconds a guided-decoding grammar may take to compile before the "
+                        "request gets a 400")
     s.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly, no CUDA graphs for decode steps")
     s.add_argument("--log-level", default="info",
@@ -121,6 +125,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.scheduling_policy,
                                   max_waiting_requests=args.max_waiting_requests),
+        structured_output=StructuredOutputConfig(
+            compile_timeout_s=args.structured_output_compile_timeout),
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from server.structured_output import StructuredOutputFields
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -40,7 +42,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(StructuredOutputFields, _Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)

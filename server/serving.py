@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 
 from actors.engine import AsyncEngine, RequestStream
 from actors.errors import DuplicateRequestId, EngineOverloaded
+from actors.structured_output import GrammarError
 from gpu.sampling_params import SamplingParams
 from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
@@ -97,6 +98,18 @@ class Serving:
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
         )
 
+    async def _structured_outputs(self, body: Any, params: SamplingParams) -> None:
+        """Attach the request's guided-decoding constraint, compiled now so that a bad one is a
+        400 before any stream starts."""
+        spec, param = body.structured_outputs_params()
+        if spec is None:
+            return
+        try:
+            await self.engine.compile_grammar(spec)
+        except GrammarError as e:
+            raise OpenAIError(str(e), param=param) from e
+        params.structured_outputs = spec
+
     async def _start(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: _SamplingBody,
     ) -> list[RequestStream]:
@@ -171,6 +184,7 @@ class Serving:
 
     async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
                        params: SamplingParams, chat: bool, echo: str | None = None):
+        await self._structured_outputs(body, params)
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
         streams = await self._start(request_id, prompt_ids, params, body)
         builder = ResponseBuilder(

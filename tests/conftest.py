@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from actors.config import SchedulerConfig
 from actors.engine import AsyncEngine, EngineConfig
+from actors.structured_output import StructuredOutputConfig
 from gpu import loader
 from gpu.config import CacheConfig, ModelConfig
 from server.launch import running_server
@@ -94,6 +95,8 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
             policy=kw.pop("policy", "fcfs"),
             max_waiting_requests=kw.pop("max_waiting_requests", None),
         ),
+        structured_output=StructuredOutputConfig(
+            compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),
     )
 
 

@@ -1,0 +1,327 @@
+"""Guided decoding (structured output) with xgrammar: compile, cache, match, mask.
+
+How a guided request flows, and why:
+
+* **Compile off the event loop.** ``StructuredOutputManager`` owns one xgrammar
+  ``GrammarCompiler`` and a small thread pool. The ``TokenizerInfo`` is built once, in that pool,
+  when the engine starts: from the served tokenizer, with the model config's ``vocab_size`` (the
+  logits' width, which can exceed ``len(tokenizer)``; the extra ids are never allowed), and with
+  every end-of-turn token the model uses among the stop tokens (``<|im_end|>``, ``<|eot_id|>``,
+  ``<|endoftext|>``, ... besides ``eos_token_id``), so a finished grammar can end the turn.
+* **Cache.** Compiles are cached in an LRU of *futures* keyed by the constraint kind and its
+  canonical text (a JSON schema re-serialised without whitespace; key order is kept because it
+  fixes the order of the generated properties). Concurrent requests with the same schema share
+  one compile; a failed compile is cached as a failure (compiling is deterministic). The cache
+  is touched only from the event loop thread.
+* **Errors before the stream.** The HTTP handler awaits ``compile()`` (bounded by
+  ``--structured-output-compile-timeout``) before it starts the request, so an invalid schema, an
+  unsupported keyword, a malformed regex or a compile that takes too long is a 400 naming the
+  problem, and the server carries on (a compile that timed out keeps running in the pool and
+  stays cached; the pool is never blocked on by anyone).
+* **The scheduler never waits.** A ``Request`` carries a ``StructuredOutputRequest`` holding the
+  compile future. After the handler's check it is a cache hit and already done; when it is not
+  (a caller of ``AsyncEngine.generate`` that skipped the check, or an entry evicted meanwhile),
+  the scheduler parks the request in ``WAITING_FOR_GRAMMAR`` and serves the others; the
+  future's done-callback posts ``GrammarReady`` to the scheduler's mailbox (thread-safely),
+  which moves the request to the waiting queue, or fails it if the compile failed.
+* **Per step.** One ``GrammarMatcher`` per request, owned by the scheduler actor through the
+  request. For the guided requests that sample this step the scheduler fills one row each of
+  an int32 bitmask on the CPU (``grammar_bitmask``); the batch carries it to the model runner,
+  which applies it to the logits before sampling. A batch without guided requests builds
+  nothing. Sampled tokens advance the matchers (``advance``); a terminated matcher finishes its
+  request with ``stop``.
+* **Preemption.** Matchers advance only on sampled tokens. Recompute preemption re-runs the
+  forward pass over the request's known tokens without sampling them again, so the matcher,
+  which has consumed exactly ``output_token_ids``, is already in the right state: nothing to
+  roll back or replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from actors.request import RequestStatus
+from gpu.batch import ScheduledRequest
+from gpu.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from actors.request import Request
+
+log = structlog.get_logger(__name__)
+
+# End-of-turn tokens of common chat templates; those in the vocabulary become stop tokens.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                       "<|endoftext|>", "<|end_of_text|>", "</s>")
+
+# JSON Schema keywords xgrammar accepts but silently ignores: a request using them would get
+# output that does not validate, so it is refused instead.
+UNSUPPORTED_JSON_KEYWORDS = frozenset({
+    "uniqueItems", "contains", "minContains", "maxContains", "if", "then", "else",
+    "dependentRequired", "dependentSchemas", "dependencies",
+})
+# Keywords whose value is a schema / a list of schemas / a map of schemas (walked for the check).
+_SUBSCHEMA = ("additionalProperties", "items", "not", "propertyNames", "unevaluatedProperties",
+              "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+# With free whitespace on, a run of whitespace between JSON tokens is capped at this many
+# characters: enough for indented output, not enough to pad until max_tokens.
+MAX_JSON_WHITESPACE = 16
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled (bad schema, unsupported keyword, malformed regex or
+    grammar, or a compile over the time limit). The message says which and why."""
+
+
+@dataclass(slots=True)
+class StructuredOutputConfig:
+    """Attributes:
+    compile_timeout_s: longest a request waits for its grammar to compile before a 400.
+    cache_size: compiled grammars kept (LRU).
+    num_compile_threads: threads compiling grammars (and xgrammar's threads per compile).
+    """
+
+    compile_timeout_s: float = 5.0
+    cache_size: int = 256
+    num_compile_threads: int = 2
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int]) -> list[int]:
+    """EOS ids of the model plus every known end-of-turn token in the tokenizer's vocabulary."""
+    ids = set(eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
+    return sorted(ids)
+
+
+def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, canonical text) of a constraint; raises ``GrammarError`` for invalid params."""
+    kinds = spec.kinds()
+    if len(kinds) != 1:
+        raise GrammarError(
+            "exactly one structured-output constraint (json, regex, choice, grammar, "
+            f"json_object) must be given, got {', '.join(kinds) or 'none'}")
+    kind = kinds[0]
+    ws = "compact" if spec.disable_any_whitespace else "any"
+    if kind == "json":
+        schema = spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
+        if not isinstance(schema, dict | bool):
+            raise GrammarError("the JSON schema must be a JSON object")
+        if isinstance(schema, dict):
+            check_json_schema(schema)
+        return f"json/{ws}", json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    if kind == "json_object":
+        return f"json/{ws}", '{"type":"object"}'
+    if kind == "choice":
+        if not spec.choice or not all(isinstance(c, str) for c in spec.choice):
+            raise GrammarError("choice must be a non-empty list of strings")
+        # An EBNF alternation of JSON-escaped literals (xgrammar's string escapes).
+        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        return "choice", f"root ::= {alts}"
+    return kind, spec.regex if kind == "regex" else spec.grammar  # type: ignore[return-value]
+
+
+def check_json_schema(schema: dict[str, Any], path: str = "#") -> None:
+    """Refuse keywords xgrammar would ignore (see ``UNSUPPORTED_JSON_KEYWORDS``)."""
+    for key in UNSUPPORTED_JSON_KEYWORDS.intersection(schema):
+        raise GrammarError(f"unsupported JSON schema keyword '{key}' at {path}")
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            check_json_schema(schema[key], f"{path}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or []):
+            if isinstance(sub, dict):
+                check_json_schema(sub, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMA_MAPS:
+        value = schema.get(key)
+        if isinstance(value, dict):
+            for name, sub in value.items():
+                if isinstance(sub, dict):
+                    check_json_schema(sub, f"{path}/{key}/{name}")
+
+
+def _clean(e: Exception) -> str:
+    """xgrammar's C++ errors without their ``[time] file.cc:line:`` prefix."""
+    text = str(e).strip()
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    text = re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class StructuredOutputManager:
+    """Compiles and caches grammars (see the module docstring). Create on the event loop."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Iterable[int],
+        config: StructuredOutputConfig | None = None,
+    ):
+        self.config = config or StructuredOutputConfig()
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids(tokenizer, eos_token_ids)
+        self._pool = ThreadPoolExecutor(self.config.num_compile_threads,
+                                        thread_name_prefix="pagedserve-grammar")
+        self._compiler: Future[xgr.GrammarCompiler] = self._pool.submit(
+            self._build_compiler, tokenizer)
+        self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+
+    def _build_compiler(self, tokenizer: PreTrainedTokenizerBase) -> xgr.GrammarCompiler:
+        start = time.perf_counter()
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        log.info("grammar_tokenizer_ready", vocab_size=self.vocab_size,
+                 stop_token_ids=self.stop_token_ids,
+                 seconds=round(time.perf_counter() - start, 3))
+        return xgr.GrammarCompiler(info, max_threads=self.config.num_compile_threads,
+                                   cache_enabled=False)  # our LRU caches
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+        """The compile future for ``spec`` (cached, else started). Never raises: an invalid
+        ``spec`` gives a future holding its ``GrammarError``."""
+        try:
+            key = cache_key(spec)
+        except GrammarError as e:
+            failed: Future[xgr.CompiledGrammar] = Future()
+            failed.set_exception(e)
+            return failed
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            return fut
+        fut = self._pool.submit(self._compile, key)
+        self._cache[key] = fut
+        while len(self._cache) > self.config.cache_size:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _compile(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
+        kind, text = key
+        compiler = self._compiler.result()
+        start = time.perf_counter()
+        try:
+            if kind.startswith("json/"):
+                compact = kind == "json/compact"
+                grammar = compiler.compile_json_schema(
+                    text, any_whitespace=not compact,
+                    max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            else:
+                grammar = compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError for every parse/convert error
+            raise GrammarError(f"invalid {kind.split('/')[0]} constraint: {_clean(e)}") from e
+        log.debug("grammar_compiled", kind=kind, seconds=round(time.perf_counter() - start, 4))
+        return grammar
+
+    async def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """Compile (or find cached) within the compile timeout.
+
+        Raises:
+            GrammarError: invalid constraint, or compiling took longer than the timeout.
+        """
+        # The one-time tokenizer set-up is the server's start-up, not this request's compile.
+        await asyncio.wrap_future(self._compiler)
+        fut = asyncio.wrap_future(self.submit(spec))
+        done, _ = await asyncio.wait({fut}, timeout=self.config.compile_timeout_s)
+        if not done:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed later
+            raise GrammarError(
+                f"compiling the grammar took longer than {self.config.compile_timeout_s:g}s "
+                "(--structured-output-compile-timeout)")
+        return fut.result()
+
+    def request_for(self, spec: StructuredOutputsParams) -> StructuredOutputRequest:
+        return StructuredOutputRequest(self.submit(spec))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StructuredOutputRequest:
+    """One request's grammar state: the compile future, then its matcher (scheduler-owned)."""
+
+    __slots__ = ("_future", "_matcher")
+
+    def __init__(self, future: Future[xgr.CompiledGrammar]):
+        self._future = future
+        self._matcher: xgr.GrammarMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._future.done()
+
+    @property
+    def error(self) -> str | None:
+        """Why the compile failed, once it is done; ``None`` when it succeeded."""
+        e = self._future.exception() if self._future.done() else None
+        return None if e is None else str(e)
+
+    def notify_when_ready(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]):
+        """Call ``callback`` on ``loop`` once the compile ends (it may end on a pool thread)."""
+        self._future.add_done_callback(lambda _: loop.call_soon_threadsafe(callback))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._future.result().tokenizer_info.vocab_size
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        if self._matcher is None:
+            self._matcher = xgr.GrammarMatcher(self._future.result())
+        return self._matcher
+
+
+def grammar_bitmask(
+    scheduled: list[ScheduledRequest], requests: dict[str, Request]
+) -> tuple[torch.Tensor | None, dict[str, int]]:
+    """The batch's bitmask: one row per guided request that samples this step, and the row of
+    each request id. ``(None, {})`` when there is none (unguided batches build nothing)."""
+    guided = [(sr.req_id, so) for sr in scheduled
+              if sr.sample and (so := requests[sr.req_id].structured_output) is not None]
+    if not guided:
+        return None, {}
+    bitmask = xgr.allocate_token_bitmask(len(guided), guided[0][1].vocab_size)
+    for row, (_, so) in enumerate(guided):
+        so.matcher.fill_next_token_bitmask(bitmask, row)
+    return bitmask, {req_id: row for row, (req_id, _) in enumerate(guided)}
+
+
+def advance(request: Request, new_token_ids: list[int]) -> RequestStatus | None:
+    """Feed a guided request's sampled tokens to its matcher.
+
+    Returns ``FINISHED_STOPPED`` when the grammar is complete (the matcher accepted a stop
+    token), ``FINISHED_ERROR`` if a token was refused (cannot happen with the bitmask applied),
+    else ``None``. Unguided requests: ``None``.
+    """
+    so = request.structured_output
+    if so is None:
+        return None
+    matcher = so.matcher
+    for token in new_token_ids:
+        if not matcher.accept_token(token):
+            log.error("grammar_rejected_token", request_id=request.request_id, token=token)
+            return RequestStatus.FINISHED_ERROR
+        if matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+    return None

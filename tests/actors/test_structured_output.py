@@ -1,0 +1,101 @@
+"""The structured-output manager on the real SmolLM2 tokenizer: keys, keyword checks, stop
+tokens, the LRU, a padded vocabulary, and JSON's end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from actors.structured_output import (
+    GrammarError,
+    StructuredOutputConfig,
+    StructuredOutputManager,
+    cache_key,
+    check_json_schema,
+)
+from gpu.grammar_bitmask import apply_grammar_bitmask
+from gpu.sampling_params import StructuredOutputsParams as Spec
+from tests.conftest import hf_tokenizer
+
+VOCAB = 49152
+PADDED = VOCAB + 64  # a model whose embedding is larger than its tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return hf_tokenizer(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer, PADDED, [2], StructuredOutputConfig(cache_size=2))
+    yield m
+    m.shutdown()
+
+
+def test_cache_key_is_canonical_text_but_keeps_property_order():
+    a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
+    b = {"type": "object", "properties": {"y": {"type": "string"}, "x": {"type": "integer"}}}
+    assert cache_key(Spec(json=a)) == cache_key(Spec(json=json.dumps(a, indent=4)))
+    assert cache_key(Spec(json=a)) != cache_key(Spec(json=b))  # order fixes the output order
+    assert cache_key(Spec(json=a)) != cache_key(Spec(json=a, disable_any_whitespace=True))
+    with pytest.raises(GrammarError, match="got regex, choice"):
+        cache_key(Spec(regex="a", choice=["a"]))
+    with pytest.raises(GrammarError, match="non-empty list"):
+        cache_key(Spec(choice=[]))
+
+
+def test_keyword_check_walks_schemas_not_property_names():
+    check_json_schema({"type": "object", "properties": {"contains": {"type": "string"},
+                                                        "if": {"type": "integer"}}})
+    with pytest.raises(GrammarError, match=r"'uniqueItems' at #/\$defs/t/items/anyOf/1"):
+        check_json_schema({"$defs": {"t": {"type": "array", "items": {"anyOf": [
+            {"type": "integer"}, {"type": "array", "uniqueItems": True}]}}}})
+
+
+def test_stop_tokens_include_every_end_of_turn_token(manager, tokenizer):
+    ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert set(ids) <= set(manager.stop_token_ids)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") not in manager.stop_token_ids
+
+
+def test_lru_shares_and_evicts(manager):
+    a, b, c = (Spec(regex=r) for r in ("a+", "b+", "c+"))
+    fa = manager.submit(a)
+    assert manager.submit(Spec(regex="a+")) is fa  # concurrent requests share one compile
+    manager.submit(b)
+    manager.submit(a)  # a is now the most recent
+    manager.submit(c)  # evicts b
+    assert manager.submit(a) is fa
+    assert manager.submit(b).result() is not None
+    with pytest.raises(GrammarError, match="Unclosed"):
+        manager.submit(Spec(regex="[a-")).result()
+
+
+def test_padded_vocabulary_is_never_allowed(manager, tokenizer):
+    so = manager.request_for(Spec(json_object=True))
+    so._future.result()
+    assert so.vocab_size == PADDED
+    bitmask = xgr.allocate_token_bitmask(1, so.vocab_size)
+    so.matcher.fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(2, PADDED)
+    apply_grammar_bitmask(logits, bitmask, {"g": 0}, ["u", "g"])
+    assert torch.isinf(logits[1, VOCAB:]).all()  # ids past the tokenizer: masked
+    assert torch.isfinite(logits[1]).sum() > 0 and torch.isfinite(logits[0]).all()  # unguided
+    assert torch.isfinite(logits[1, tokenizer.convert_tokens_to_ids("{")])
+
+
+def test_json_ends_at_the_closing_brace(manager, tokenizer):
+    for spec in (Spec(json_object=True), Spec(json={"type": "object"})):
+        matcher = manager.request_for(spec).matcher
+        assert matcher.accept_string('{"a": [1, {"b": null}]}')
+        assert not matcher.accept_string(" ") and not matcher.accept_string("\n")
+        assert matcher.accept_token(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        assert matcher.is_terminated()
+    # free whitespace is capped, so padding inside the object cannot run to max_tokens
+    matcher = manager.request_for(Spec(json_object=True)).matcher
+    assert matcher.accept_string("{" + " " * 16)
+    assert not matcher.accept_string(" ")
