@@ -366,7 +366,6 @@ class Scheduler(Actor):
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         return {
             "scheduler": {
-                "policy": "fcfs",
                 "num_waiting": len(self.waiting),
                 "num_waiting_for_grammar": len(self.waiting_for_grammar),
                 "num_running": len(self.running),
