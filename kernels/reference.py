@@ -119,9 +119,11 @@ def paged_prefill_attention(
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
             causal = False
+        # 4-D inputs ([1, H, L, D]): only those reach torch's fused (flash) CPU kernel; 3-D
+        # ones fall back to the unfused math path, ~7-15x slower on a 1.5k-token prompt.
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-            is_causal=causal, scale=scale, enable_gqa=True,
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )
-        out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out
