@@ -16,12 +16,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from server.launch import start_server_process
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -35,29 +36,13 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(cache: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, float]:
-    exe = str(Path(sys.executable).parent / "pagedserve")
-    env = {**os.environ, "PAGEDSERVE_CACHE": cache}
+def start_server(cache: str, extra: list[str]) -> tuple[subprocess.Popen, str, float]:
+    """Start with ``cache`` as the conversion cache; returns the process, URL and seconds."""
     start = time.perf_counter()
-    proc = subprocess.Popen([exe, "serve", "--port", str(port), *extra], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, time.perf_counter() - start
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("server exited during start")
-        time.sleep(0.1)
+    proc, url = start_server_process(extra, timeout=600, env={**os.environ,
+                                     "PAGEDSERVE_CACHE": cache},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, url, time.perf_counter() - start
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -105,13 +90,11 @@ def main() -> None:
     extra = ["--dtype", args.dtype, "--max-model-len", "2048"]
     results: dict = {}
     with tempfile.TemporaryDirectory() as cache:
-        proc, first = start_server(cache, free_port(), extra)
+        proc, _, first = start_server(cache, extra)
         stop(proc)
-        port = free_port()
-        proc, cached = start_server(cache, port, extra)
+        proc, url, cached = start_server(cache, extra)
         results["start_s"] = {"first": round(first, 2), "cached": round(cached, 2)}
         try:
-            url = f"http://127.0.0.1:{port}"
             results["throughput"] = [asyncio.run(throughput(url, c, args.output_tokens))
                                      for c in (1, 8)]
         finally:

@@ -36,16 +36,16 @@ import math
 import os
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
+
+from server.launch import start_server_process
 
 # -- workloads --------------------------------------------------------------------------------
 
@@ -365,25 +365,13 @@ def load_hf(args):
 @contextmanager
 def launched_server(args):
     """``--launch``: run ``pagedserve serve`` (next to this Python) on a free port for the run."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "pagedserve"), "serve", "--port", str(port),
-           *shlex.split(args.server_args)]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"bench_serving: {' '.join(cmd)} did not start (see --server-log)")
-            time.sleep(0.5)
+        proc, url = start_server_process(shlex.split(args.server_args), timeout=300,
+                                         stdout=log, stderr=subprocess.STDOUT)
+    except RuntimeError as e:
+        sys.exit(f"bench_serving: {e} (see --server-log)")
+    try:
         yield f"{url}/v1"
     finally:
         proc.terminate()

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
@@ -62,3 +67,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def start_server_process(
+    serve_args: list[str], timeout: float = 180.0, **popen_kwargs
+) -> tuple[subprocess.Popen, str]:
+    """Run ``pagedserve serve SERVE_ARGS --port <free>`` (the one next to this Python) and wait
+    until ``/health`` answers; returns the process and its base URL (for tests and tools).
+
+    Raises:
+        RuntimeError: the process exited, or did not answer within ``timeout`` seconds (it is
+            killed then).
+    """
+    port = free_port()
+    exe = str(Path(sys.executable).parent / "pagedserve")
+    proc = subprocess.Popen([exe, "serve", *serve_args, "--port", str(port)], **popen_kwargs)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"`pagedserve serve {' '.join(serve_args)}` did not start")
+        time.sleep(0.2)

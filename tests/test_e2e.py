@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from server.launch import free_port
+from server.launch import start_server_process
 from tests.conftest import chat_prompt_ids, hf_greedy
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -23,28 +22,17 @@ PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        [PAGEDSERVE, "serve", "--port", str(port), "--max-model-len", "2048",
-         "--dtype", "float32"],  # parity with transformers is exact in float32
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-        time.sleep(0.2)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+def server(default_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("e2e") / "server.log"
+    with log.open("w") as out:
+        try:  # parity with transformers is exact in float32
+            proc, url = start_server_process(["--max-model-len", "2048", "--dtype", "float32"],
+                                             stdout=out, stderr=subprocess.STDOUT)
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{log.read_text()}")
+        yield url
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
 
 
 @pytest.fixture(scope="module")

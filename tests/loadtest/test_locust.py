@@ -14,36 +14,26 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.launch import free_port
+from server.launch import start_server_process
 
 BIN = Path(sys.executable).parent
 LOCUSTFILE = Path(__file__).parents[2] / "loadtest" / "locustfile.py"
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(BIN / "pagedserve"), "serve", str(tiny_model_dir), "--port", str(port),
-         "--served-model-name", "tiny", "--max-model-len", "512", "--dtype", "float32",
-         "--num-gpu-blocks-override", "256"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
+def tiny_server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("locust-server") / "server.log"
+    with log.open("w") as out:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-        time.sleep(0.2)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+            proc, url = start_server_process(
+                [str(tiny_model_dir), "--served-model-name", "tiny", "--max-model-len", "512",
+                 "--dtype", "float32", "--num-gpu-blocks-override", "256"],
+                stdout=out, stderr=subprocess.STDOUT)
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{log.read_text()}")
+        yield url
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def test_locust_headless_with_disconnects(tiny_server, tmp_path):

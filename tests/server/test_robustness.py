@@ -7,7 +7,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 import gpu.model_runner
 from actors.detokenizer import IncrementalDetokenizer
 from actors.engine import AsyncEngine
-from server.launch import free_port, running_server
+from server.launch import running_server, start_server_process
 from server.serving import ServingConfig
 from tests.conftest import chat, engine_config, serve, stats
 
@@ -183,21 +182,12 @@ def test_fuzzing_leaked_no_block(threaded_server):
 
 # -- SIGTERM ----------------------------------------------------------------------------------
 
-def test_sigterm_drains_running_requests_then_exits_zero(tiny_model_dir):
-    port = free_port()
-    exe = str(Path(sys.executable).parent / "pagedserve")
-    proc = subprocess.Popen([exe, "serve", str(tiny_model_dir), "--port", str(port),
-                             "--max-model-len", "6000", "--num-gpu-blocks-override", "400",
-                             "--shutdown-timeout", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+def test_sigterm_drains_running_requests_then_exits_zero(tiny_model_dir, tmp_path):
+    log = (tmp_path / "server.log").open("w")
+    proc, url = start_server_process(
+        [str(tiny_model_dir), "--max-model-len", "6000", "--num-gpu-blocks-override", "400",
+         "--shutdown-timeout", "8"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         short_result: dict = {}
         long_lines: list[str] = []
 
@@ -240,7 +230,8 @@ def test_sigterm_drains_running_requests_then_exits_zero(tiny_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
-        out = proc.stdout.read()
+        log.close()
+    out = (tmp_path / "server.log").read_text()
     assert "Traceback" not in out, out
 
 
