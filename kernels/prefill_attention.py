@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import prepare_query_and_out
+
 LOG2E = 1.4426950408889634
 
 
@@ -112,12 +114,7 @@ def paged_prefill_attention(
     """
     num_tokens, num_heads, head_size = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv_heads}")
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    if out is None:
-        out = torch.empty_like(query)
+    query, out = prepare_query_and_out(query, key_cache, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
