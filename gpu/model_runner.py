@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from gpu import kv_cache, loader
+from gpu import cpu_gemm, kv_cache, loader
 from gpu.attention import AttentionMetadata, get_attention_backend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
@@ -128,8 +128,10 @@ class ModelRunner:
         if getattr(self.hf_config, "tie_word_embeddings", False):
             model.lm_head.weight = model.model.embed_tokens.weight
         loader.load_weights(model, resolved.path)
-        self.model = model.eval()
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if cpu_gemm.can_pack(self.dtype, self.device):
+            cpu_gemm.pack_linears(model)
+        self.model = model.eval()
         self.block_size = cc.block_size
         activation_bytes = None
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
