@@ -10,6 +10,7 @@ table of the most expensive operators for a few of those steps.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -46,10 +47,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: keep)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: the server's default, see cpu_threads)")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads:  # read by ModelRunner.load, which sets torch's thread count
+        os.environ["PAGEDSERVE_CPU_THREADS"] = str(args.threads)
     for dtype in args.dtype.split(","):
         runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048),
                              CacheConfig(num_gpu_blocks_override=2400))
