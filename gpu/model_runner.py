@@ -118,8 +118,11 @@ class ModelRunner:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
         self.attn_backend = get_attention_backend(self.device)
+        # Our CPU kernels for the elementwise ops go with the cpu backend; the torch backend
+        # stays the pure-torch reference throughout.
+        fused = self.attn_backend.name == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, self.attn_backend, self.max_model_len)
+            model = LlamaForCausalLM(self.hf_config, self.attn_backend, self.max_model_len, fused)
         model = model.to_empty(device=self.device).to(self.dtype)
         # Buffers (RoPE tables) were on meta: rebuild them for real, in float32.
         model.model.rotary_emb = type(model.model.rotary_emb)(

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from gpu.attention import AttentionBackend, AttentionMetadata
+from kernels import cpu_ops
 
 
 def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
@@ -62,14 +63,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as transformers does."""
+    """Root-mean-square norm, computed in float32 as transformers does.
 
-    def __init__(self, dim: int, eps: float):
+    ``forward(x)`` → normed ``x``; ``forward(x, residual)`` → ``(norm(x + residual), x +
+    residual)``: the residual add fused in, as vLLM's layers pass it. ``fused``: one pass of our
+    CPU kernel (``kernels.cpu_ops.rms_norm``, which updates ``residual`` in place).
+    """
+
+    def __init__(self, dim: int, eps: float, fused: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            out = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -77,8 +93,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, fused: bool):
         super().__init__()
+        self.fused = fused
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -93,23 +110,30 @@ class LlamaAttention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """rope: fused, ``(positions, cos_table, sin_table)``; else ``(cos, sin)`` per token."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        if self.fused:  # q's and k's heads rotated together, in place
+            cpu_ops.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads,
+                                     self.head_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_size)  # q: [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_size)  # k: [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_size)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not self.fused:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, fused: bool):
         super().__init__()
+        self.fused = fused
         h, i = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         # gate and up in one matmul (HF's gate_proj/up_proj concatenated at load time).
@@ -117,31 +141,42 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, fused: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, backend, fused)
+        self.mlp = LlamaMLP(config, fused)
+        self.input_layernorm = RMSNorm(h, eps, fused)
+        self.post_attention_layernorm = RMSNorm(h, eps, fused)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """Returns ``(mlp_out, residual)``: the next layer's norm adds them (vLLM's layout)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
+                 fused: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, fused) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         head_size = self.layers[0].self_attn.head_size
         self.rotary_emb = RotaryEmbedding(config, head_size, max_positions)
 
@@ -153,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         config: a transformers Llama/Mistral/Qwen2 config.
         backend: attention backend (``gpu.attention.get_attention_backend``).
         max_positions: size of the RoPE table (``max_model_len``).
+        fused: norms, SiLU-and-mul and RoPE from our CPU kernels (``kernels.cpu_ops``; float32
+            or bfloat16 on the CPU) instead of torch's elementwise ops.
     """
 
     # Our fused parameters and the HF checkpoint names they are concatenated from (dim 0, in
@@ -160,10 +197,12 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                       ("gate_up_proj", ("gate_proj", "up_proj")))
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
+                 fused: bool = False):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions)
+        self.fused = fused
+        self.model = LlamaModel(config, backend, max_positions, fused)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -175,8 +214,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: ``[T]`` int64 → float32 logits ``[len(logits_indices), vocab]``."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        rotary = self.model.rotary_emb
+        rope = (positions, rotary.cos, rotary.sin) if self.fused else rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.model.norm(x[logits_indices])  # only the rows that are sampled
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        # Only the rows that are sampled.
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()

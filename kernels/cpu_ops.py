@@ -1,11 +1,16 @@
-"""The CPU decode-attention kernel (``kernels/csrc/cpu_attention.cpp``): build, load, call.
+"""Our CPU kernels (``kernels/csrc/cpu_ops.cpp``): build, load, call.
 
-The torch reference gathers every sequence's K/V blocks into a padded copy and runs SDPA on
-it; at 32 decodes of ~200 tokens that gather and SDPA were 44% of a bfloat16 step. This kernel
-reads the blocks in place. It is compiled on first use with the system's C++ compiler into
-``~/.cache/pagedserve/kernels/`` (a second or two), keyed by the source, the flags and the
-CPU, and loaded with ctypes. No compiler, or a failed build: ``load()`` returns None and the
-caller keeps the torch reference.
+- ``paged_decode_attention``: the torch reference gathers every sequence's K/V blocks into a
+  padded copy and runs SDPA on it; at 32 decodes of ~200 tokens that gather and SDPA were 44%
+  of a bfloat16 step. This kernel reads the blocks in place.
+- ``rms_norm`` (optionally fused with the residual add), ``silu_and_mul`` and
+  ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, which in
+  bfloat16 were a quarter of a prefill step. Same ideas as vLLM's ``csrc/cpu/`` kernels.
+
+The library is compiled on first use with the system's C++ compiler into
+``~/.cache/pagedserve/kernels/`` (a second or two), keyed by the source, the flags and the CPU,
+and loaded with ctypes. No compiler, or a failed build: ``load()`` returns None and callers keep
+the torch references. All ops take float32 or bfloat16 CPU tensors and compute in float32.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # -ffast-math lets expf and the dot-product reductions vectorize (3x). It is given to the compile
 # step only: linked with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the whole
 # process when the library loads.
@@ -55,7 +60,7 @@ def _build(compiler: str) -> Path:
     digest = hashlib.sha256(
         SOURCE.read_bytes() + " ".join(FLAGS + LINK_FLAGS).encode() + _cpu_key().encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_attention-{digest}.so"
+    out = _cache_dir() / f"cpu_ops-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,10 +100,17 @@ def load() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as e:
             _error = f"{type(e).__name__}: {e}"
             return None
-        args = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
+        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        signatures = {
+            "paged_decode_attention": [ptr] * 6 + [i64] * 6 + [f32],
+            "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
+            "silu_and_mul": [ptr] * 2 + [i64] * 2,
+            "rotary": [ptr] * 4 + [i64] * 4,
+        }
+        for name, args in signatures.items():
+            for suffix in ("f32", "bf16"):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = args, None
         _lib = lib
         return _lib
 
@@ -106,6 +118,74 @@ def load() -> ctypes.CDLL | None:
 def error() -> str | None:
     """Why ``load()`` returned None, if it did."""
     return _error
+
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"cpu kernels unavailable: {_error}")
+    if dtype not in _SUFFIX:
+        raise ValueError(f"cpu kernels support float32 and bfloat16, not {dtype}")
+    return getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` ``[N, dim]`` (rows contiguous) times ``weight`` ``[dim]``.
+
+    With ``residual`` (``[N, dim]`` contiguous, updated in place to ``residual + x``) the sum is
+    what gets normalised, as vLLM's ``fused_add_rms_norm``. Returns a new ``[N, dim]`` tensor.
+    Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
+    """
+    fn = _kernel("rms_norm", x.dtype)
+    rows, dim = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.dtype != x.dtype or (residual is not None and (
+            residual.dtype != x.dtype or not residual.is_contiguous())):
+        raise ValueError("rms_norm: weight and residual must be in x's dtype, residual contiguous")
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    fn(out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+       weight.data_ptr(), rows, dim, x.stride(0), eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` ``[N, 2I]`` → ``[N, I]`` (Shazeer, "GLU Variants
+    Improve Transformer", 2020)."""
+    fn = _kernel("silu_and_mul", x.dtype)
+    x = x.contiguous()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    fn(out.data_ptr(), x.data_ptr(), rows, inter)
+    return out
+
+
+def rotary_embedding(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    num_heads: int, head_size: int,
+) -> None:
+    """Non-interleaved RoPE, in place, on the first ``num_heads`` heads of each row.
+
+    Args:
+        x: ``[T, >= num_heads * head_size]`` with unit stride in its last dim (e.g. the fused
+            qkv projection, rotating q's and k's heads together).
+        positions: ``[T]`` int64. cos, sin: ``[max_positions, head_size]`` float32, sin with
+            rotate_half's sign folded into its first half (``gpu.models.llama.RotaryEmbedding``).
+    Source: Su et al., "RoFormer" (2021).
+    """
+    fn = _kernel("rotary", x.dtype)
+    if x.stride(1) != 1 or x.shape[1] < num_heads * head_size:
+        raise ValueError("rotary_embedding: x needs unit stride and num_heads * head_size columns")
+    positions = positions.to(torch.int64).contiguous()
+    if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rotary_embedding: cos/sin must be contiguous float32")
+    fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
+       num_heads, head_size, x.stride(0))
 
 
 def paged_decode_attention(
@@ -135,19 +215,11 @@ def paged_decode_attention(
         RuntimeError: the library could not be built (see ``error()``).
         ValueError: unsupported dtype, or ``num_heads`` not a multiple of ``num_kv_heads``.
     """
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"cpu attention kernel unavailable: {_error}")
+    fn = _kernel("paged_decode_attention", query.dtype)
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if query.dtype == torch.float32:
-        fn = lib.paged_decode_attention_f32
-    elif query.dtype == torch.bfloat16:
-        fn = lib.paged_decode_attention_bf16
-    else:
-        raise ValueError(f"cpu decode attention supports float32 and bfloat16, not {query.dtype}")
     if key_cache.dtype != query.dtype or not (key_cache.is_contiguous()
                                               and value_cache.is_contiguous()):
         raise ValueError("key/value caches must be contiguous and in the query's dtype")

@@ -105,6 +105,79 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   }
 }
 
+// out = x * rsqrt(mean(x^2) + eps) * weight per row, in float32; with a residual, first
+// residual += x and normalise that (vLLM's fused_add_rms_norm). out may alias x.
+template <typename T>
+void rms_norm(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
+              int64_t x_stride, float eps) {
+#pragma omp parallel
+  {
+    std::vector<float> h(dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      T* xr = x + r * x_stride;
+      float ss = 0.f;
+      if (residual != nullptr) {
+        T* res = residual + r * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          store(load(xr[i]) + load(res[i]), res + i);
+          h[i] = load(res[i]);  // the stored (rounded) sum, as the unfused model sees it
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) h[i] = load(xr[i]);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) ss += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(ss / dim + eps);
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) store(h[i] * inv * load(weight[i]), o + i);
+    }
+  }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, inter + i], x: [rows, 2 * inter] (vLLM's silu_and_mul).
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * inter;
+    const T* up = gate + inter;
+    T* o = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = load(gate[i]);
+      store(g / (1.f + std::exp(std::min(-g, 80.f))) * load(up[i]), o + i);  // no inf
+    }
+  }
+}
+
+// Non-interleaved RoPE in place on the first num_heads heads of each row of x (q then k in
+// a fused qkv row): x_i = x_i * cos_i + x_{(i + D/2) % D} * sin_i, with rotate_half's sign
+// folded into the first half of sin (gpu/models/llama.py's table). cos/sin: [P, D] float32.
+template <typename T>
+void rotary(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
+            int64_t num_heads, int64_t head_size, int64_t row_stride) {
+  const int64_t half = head_size / 2;
+#pragma omp parallel
+  {
+    std::vector<float> h(head_size);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* c = cos + positions[r] * head_size;
+      const float* s = sin + positions[r] * head_size;
+      for (int64_t head = 0; head < num_heads; ++head) {
+        T* xh = x + r * row_stride + head * head_size;
+        for (int64_t i = 0; i < head_size; ++i) h[i] = load(xh[i]);
+        for (int64_t i = 0; i < half; ++i) {
+          store(h[i] * c[i] + h[i + half] * s[i], xh + i);
+          store(h[i + half] * c[i + half] + h[i] * s[i + half], xh + i + half);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -125,5 +198,21 @@ void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const ui
                                  float scale) {
   decode(q, kc, vc, bt, sl, out, n, h, hkv, d, bs, bts, scale);
 }
+
+#define PAGEDSERVE_ELEMENTWISE(SUFFIX, T)                                                       \
+  void rms_norm_##SUFFIX(T* out, T* x, T* residual, const T* weight, int64_t rows,             \
+                         int64_t dim, int64_t x_stride, float eps) {                           \
+    rms_norm(out, x, residual, weight, rows, dim, x_stride, eps);                              \
+  }                                                                                             \
+  void silu_and_mul_##SUFFIX(T* out, const T* x, int64_t rows, int64_t inter) {                \
+    silu_and_mul(out, x, rows, inter);                                                          \
+  }                                                                                             \
+  void rotary_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin,     \
+                       int64_t rows, int64_t num_heads, int64_t head_size, int64_t row_stride) { \
+    rotary(x, positions, cos, sin, rows, num_heads, head_size, row_stride);                     \
+  }
+
+PAGEDSERVE_ELEMENTWISE(f32, float)
+PAGEDSERVE_ELEMENTWISE(bf16, uint16_t)
 
 }  // extern "C"

@@ -1,0 +1,155 @@
+"""The C++ CPU decode kernel equals the torch reference, reads only a sequence's own slots, and
+its build degrades to None (the torch fallback) when there is no compiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, reference
+
+
+def _setup(seq_lens, heads, kv_heads, head_size, block_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-s // block_size) for s in seq_lens) + 1  # a spare column, never read
+    num_blocks = max_blocks * len(seq_lens) + 2
+    table = torch.randperm(num_blocks, generator=g)[: max_blocks * len(seq_lens)]
+    table = table.view(len(seq_lens), max_blocks).int()
+    # Every slot NaN, then each sequence's own tokens written: reading past seq_len (or
+    # another sequence's block) would poison the output.
+    kc = torch.full((num_blocks, block_size, kv_heads, head_size), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    for i, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        slots = table[i, pos // block_size].long() * block_size + pos % block_size
+        reference.reshape_and_cache(
+            torch.randn(s, kv_heads, head_size, generator=g).to(dtype),
+            torch.randn(s, kv_heads, head_size, generator=g).to(dtype), kc, vc, slots)
+    q = torch.randn(len(seq_lens), heads, head_size, generator=g).to(dtype)
+    return q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _reference(q, kc, vc, table, seq_lens, scale):
+    # The reference pads with real cache rows; give it a NaN-free copy of the caches.
+    return reference.paged_decode_attention(
+        q, kc.nan_to_num(0.0), vc.nan_to_num(0.0), table, seq_lens, scale)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 4, 8), (9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_reference(dtype, tol, heads, kv_heads, head_size, block_size):
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70]
+    q, kc, vc, table, lens = _setup(seq_lens, heads, kv_heads, head_size, block_size, dtype)
+    scale = head_size**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    want = _reference(q, kc, vc, table, lens, scale)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_single_token_context_returns_its_value():
+    """With one cached token the softmax is 1: the output is that token's V, exactly."""
+    q, kc, vc, table, lens = _setup([1], 6, 2, 16, 4, torch.float32)
+    got = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 0.25)
+    v = vc[table[0, 0]][0]  # [kv_heads, D]
+    assert torch.equal(got, v.repeat_interleave(3, dim=0)[None])
+
+
+def test_rejects_bad_inputs():
+    q, kc, vc, table, lens = _setup([5], 4, 4, 8, 4, torch.float32)
+    with pytest.raises(ValueError, match="float16"):
+        cpu_ops.paged_decode_attention(q.half(), kc.half(), vc.half(), table, lens, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_ops.paged_decode_attention(q[:, :3], kc, vc, table, lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_ops.paged_decode_attention(q, kc.bfloat16(), vc.bfloat16(), table, lens, 1.0)
+
+
+def test_build_is_cached_and_failure_falls_back(monkeypatch, tmp_path):
+    assert cpu_ops.load() is not None, cpu_ops.error()
+    monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path))
+    for attr in ("_tried", "_lib", "_error"):
+        monkeypatch.setattr(cpu_ops, attr, None if attr != "_tried" else False)
+    assert cpu_ops.load() is not None
+    built = list(tmp_path.glob("cpu_ops-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    assert cpu_ops.load() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
+    # A compiler that fails: load() says None and why; nothing half-built is left behind.
+    monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path / "other"))
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    monkeypatch.setattr(cpu_ops, "_lib", None)
+    assert cpu_ops.load() is None
+    assert "false failed" in cpu_ops.error()
+    assert list((tmp_path / "other").iterdir()) == []
+    with pytest.raises(RuntimeError, match="unavailable"):
+        q, kc, vc, table, lens = _setup([2], 2, 2, 8, 4, torch.float32)
+        cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 1.0)
+
+
+def test_loading_keeps_subnormals():
+    """Linking with -ffast-math would set flush-to-zero for the whole process on load (gcc's
+    crtfastmath.o): torch, numpy and hypothesis would all see subnormals vanish."""
+    assert cpu_ops.load() is not None
+    assert (torch.tensor(1e-40) * 1.0).item() != 0.0
+
+
+# -- elementwise kernels against the torch code they replace (gpu/models/llama.py) -----------
+
+def _rms_reference(x, weight, eps):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+def test_rms_norm_with_and_without_residual(dtype, tol):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    res = torch.randn(7, 576, generator=g).to(dtype)
+    w = torch.rand(576, generator=g).to(dtype) + 0.5
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), _rms_reference(x, w, 1e-5),
+                               atol=tol, rtol=tol)
+    res_in = res.clone()
+    out = cpu_ops.rms_norm(x, w, 1e-5, residual=res)
+    assert torch.equal(res, x + res_in)  # updated in place, rounded to dtype like torch's add
+    torch.testing.assert_close(out, _rms_reference(x + res_in, w, 1e-5), atol=tol, rtol=tol)
+    # A strided view (rows of a wider tensor) reads only its own columns.
+    wide = torch.cat([x, torch.full_like(x, float("nan"))], dim=1)[:, :576]
+    torch.testing.assert_close(cpu_ops.rms_norm(wide, w, 1e-5), _rms_reference(x, w, 1e-5),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_silu_and_mul(dtype, tol):
+    x = (torch.randn(5, 2 * 96, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    x[0, 0] = -200.0  # exp overflow territory: silu is -0, not NaN
+    want = torch.nn.functional.silu(x[:, :96].float()) * x[:, 96:].float()
+    got = cpu_ops.silu_and_mul(x)
+    assert got.shape == (5, 96) and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol):
+    from transformers import LlamaConfig
+
+    from gpu.models.llama import RotaryEmbedding, apply_rope
+
+    heads, kv_heads, d = 4, 2, 16
+    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), d, 64)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 17, 63, 1, 2])
+    cos, sin = rotary(positions, torch.float32)
+    want = qkv.float().clone().view(6, -1, d)
+    want[:, : heads + kv_heads] = apply_rope(want[:, : heads + kv_heads], cos, sin)
+    got = qkv.clone()
+    cpu_ops.rotary_embedding(got, positions, rotary.cos, rotary.sin, heads + kv_heads, d)
+    torch.testing.assert_close(got.float().view(6, -1, d), want, atol=tol, rtol=tol)
+    assert torch.equal(got[:, -kv_heads * d:], qkv[:, -kv_heads * d:])  # v untouched
