@@ -31,7 +31,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # -ffast-math lets expf and the dot-product reductions vectorize (3x). It is given to the compile
 # step only: linked with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the whole
 # process when the library loads.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 

@@ -1,11 +1,16 @@
-// Paged decode attention for the CPU: one query token per sequence against its whole context,
-// read in place through the block table (no gather copy), softmax in float32.
+// Our CPU kernels: paged decode attention (one query token per sequence against its whole
+// context, read in place through the block table, no gather copy; softmax in float32), and the
+// elementwise ops torch would run as several passes: RMSNorm (+ residual add), SiLU-and-mul,
+// RoPE. Everything computes in float32 and rounds once to the tensor's dtype.
 //
-// Plain C ABI over raw pointers, called through ctypes (kernels/cpu_attention.py): no torch
-// headers, so it compiles in about a second. OpenMP threads over (sequence, kv head) pairs;
-// the library resolves to the libgomp torch already loaded, so it shares torch's thread count.
-// Idea after vLLM's CPU backend (csrc/cpu/attention.cpp): one pass for the scores of the
-// query heads that share a kv head (GQA), then one pass over V.
+// Plain C ABI over raw pointers, called through ctypes (kernels/cpu_ops.py): no torch headers,
+// so it compiles in about a second. OpenMP threads over sequences / rows; the library resolves
+// to the libgomp torch already loaded, so it shares torch's thread count. Ideas after vLLM's
+// CPU backend (csrc/cpu/attention.cpp, layernorm.cpp, activation.cpp, pos_encoding.cpp).
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -34,73 +39,147 @@ inline void store(float x, uint16_t* dst) {  // float32 -> bfloat16, round to ne
   *dst = static_cast<uint16_t>(u >> 16);
 }
 
+// Each row of rows x len scores becomes exp(s - max(row)) in place; ``finish`` divides by the
+// row sums.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    const float m = *std::max_element(sr, sr + len);
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t)
+      // Clamped so exp stays a normal float: subnormal results take slow microcode paths
+      // (the library must not turn on flush-to-zero for the process); e^-80 is nothing
+      // beside the maximum's e^0.
+      sr[t] = std::exp(std::max(sr[t] - m, -80.f));
+  }
+}
+
+// out[h] = acc[h] / sum_t p[h][t], rounded to T.
+template <typename T>
+void finish(const float* acc, const float* probs, T* dst, int64_t num_heads, int64_t head_size,
+            int64_t len) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) sum += probs[h * len + t];
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < head_size; ++d)
+      store(acc[h * head_size + d] * inv, dst + h * head_size + d);
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// The decode loop with 16-lane registers, for head_size % 16 == 0 (every model we serve): a
+// K/V row is converted once into registers per kv head, not stored and reloaded.
+template <typename T>
+void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
+                       const int32_t* blocks, int64_t len, int64_t num_heads, int64_t group,
+                       int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                       float* scores, float* acc) {
+  const int64_t nv = head_size / 16, token_stride = num_kv_heads * head_size;
+  const int64_t block_stride = block_size * token_stride;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = key_cache + blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      const T* kh = k + kvh * head_size;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kvh * group + g;
+        const float* qh = q + h * head_size;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(kh));
+        for (int64_t j = 1; j < nv; ++j)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), load16(kh + 16 * j), a);
+        scores[h * len + t] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  softmax_rows(scores, num_heads, len);
+  std::fill(acc, acc + num_heads * head_size, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = value_cache + blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      for (int64_t j = 0; j < nv; ++j) {
+        const __m512 vj = load16(v + kvh * head_size + 16 * j);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = kvh * group + g;
+          float* a = acc + h * head_size + 16 * j;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + t]), vj,
+                                              _mm512_loadu_ps(a)));
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_table,
             const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_size, int64_t block_size,
             int64_t block_table_stride, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_size;  // elements between a block's slots
+  const int64_t token_stride = num_kv_heads * head_size;  // one token's K (or V), all kv heads
   const int64_t block_stride = block_size * token_stride;
+  // One task per sequence: a token's K for every kv head is one contiguous row, so a block is
+  // read front to back (prefetch-friendly) and each row serves all num_heads query heads.
 #pragma omp parallel
   {
-    std::vector<float> q(group * head_size), row(head_size), acc(group * head_size), scores;
+    std::vector<float> q(num_heads * head_size), row(token_stride), acc(num_heads * head_size);
+    std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
-      const int64_t seq = task / num_kv_heads, kvh = task % num_kv_heads;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t len = seq_lens[seq];
       const int32_t* blocks = block_table + seq * block_table_stride;
-      const T* q_src = query + (seq * num_heads + kvh * group) * head_size;
-      for (int64_t i = 0; i < group * head_size; ++i) q[i] = load(q_src[i]) * scale;
-      scores.resize(group * len);
-      // Pass 1: scores[g][t] = q_g . k_t (scale folded into q).
+      const T* q_src = query + seq * num_heads * head_size;
+      for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = load(q_src[i]) * scale;
+      scores.resize(num_heads * len);
+#if defined(__AVX512F__)
+      if (head_size % 16 == 0) {
+        decode_seq_avx512(q.data(), key_cache, value_cache, blocks, len, num_heads, group,
+                          num_kv_heads, head_size, block_size, scores.data(), acc.data());
+        finish(acc.data(), scores.data(), out + seq * num_heads * head_size, num_heads,
+               head_size, len);
+        continue;
+      }
+#endif
+      // Pass 1: scores[h][t] = q_h . k_t (scale folded into q); head h reads kv head h / group.
       for (int64_t t = 0; t < len; ++t) {
         const T* k = key_cache + blocks[t / block_size] * block_stride +
-                     (t % block_size) * token_stride + kvh * head_size;
+                     (t % block_size) * token_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < head_size; ++d) row[d] = load(k[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_size;
+        for (int64_t i = 0; i < token_stride; ++i) row[i] = load(k[i]);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = q.data() + h * head_size;
+          const float* kh = row.data() + (h / group) * head_size;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_size; ++d) s += qg[d] * row[d];
-          scores[g * len + t] = s;
+          for (int64_t d = 0; d < head_size; ++d) s += qh[d] * kh[d];
+          scores[h * len + t] = s;
         }
       }
-      // Softmax per query head, in place; the normaliser is applied to the output.
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        const float m = *std::max_element(sg, sg + len);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          // Clamped so exp stays a normal float: subnormal results take slow microcode paths
-          // (the library must not turn on flush-to-zero for the process); e^-80 is nothing
-          // beside the maximum's e^0.
-          sg[t] = std::exp(std::max(sg[t] - m, -80.f));
-          sum += sg[t];
-        }
-        inv_sum[g] = 1.f / sum;
-      }
-      // Pass 2: acc[g] = sum_t p[g][t] * v_t.
+      softmax_rows(scores.data(), num_heads, len);
+      // Pass 2: acc[h] = sum_t p[h][t] * v_t.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const T* v = value_cache + blocks[t / block_size] * block_stride +
-                     (t % block_size) * token_stride + kvh * head_size;
+                     (t % block_size) * token_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < head_size; ++d) row[d] = load(v[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* ag = acc.data() + g * head_size;
+        for (int64_t i = 0; i < token_stride; ++i) row[i] = load(v[i]);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * len + t];
+          const float* vh = row.data() + (h / group) * head_size;
+          float* ah = acc.data() + h * head_size;
 #pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) ag[d] += p * row[d];
+          for (int64_t d = 0; d < head_size; ++d) ah[d] += p * vh[d];
         }
       }
-      T* dst = out + (seq * num_heads + kvh * group) * head_size;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_size; ++d)
-          store(acc[g * head_size + d] * inv_sum[g], dst + g * head_size + d);
+      finish(acc.data(), scores.data(), out + seq * num_heads * head_size, num_heads,
+             head_size, len);
     }
   }
 }
