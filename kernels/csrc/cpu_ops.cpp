@@ -184,12 +184,16 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   }
 }
 
+// Below this many elements an elementwise op runs on the calling thread: waking the other
+// OpenMP threads costs more than the work (a decode step's norms are 1-32 rows).
+constexpr int64_t kParallelMin = 64 * 1024;
+
 // out = x * rsqrt(mean(x^2) + eps) * weight per row, in float32; with a residual, first
 // residual += x and normalise that (vLLM's fused_add_rms_norm). out may alias x.
 template <typename T>
 void rms_norm(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
               int64_t x_stride, float eps) {
-#pragma omp parallel
+#pragma omp parallel if (rows * dim >= kParallelMin)
   {
     std::vector<float> h(dim);
 #pragma omp for schedule(static)
@@ -218,7 +222,7 @@ void rms_norm(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t 
 // out[t, i] = silu(x[t, i]) * x[t, inter + i], x: [rows, 2 * inter] (vLLM's silu_and_mul).
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * inter;
     const T* up = gate + inter;
@@ -238,7 +242,7 @@ template <typename T>
 void rotary(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
             int64_t num_heads, int64_t head_size, int64_t row_stride) {
   const int64_t half = head_size / 2;
-#pragma omp parallel
+#pragma omp parallel if (rows * num_heads * head_size >= kParallelMin)
   {
     std::vector<float> h(head_size);
 #pragma omp for schedule(static)
