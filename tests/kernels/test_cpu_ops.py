@@ -107,11 +107,16 @@ def _rms_reference(x, weight, eps):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+# Row counts on both sides of kParallelMin (64k elements): the calling thread alone, and OpenMP.
+ROWS = [7, 300]
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
-def test_rms_norm_with_and_without_residual(dtype, tol):
+def test_rms_norm_with_and_without_residual(dtype, tol, rows):
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
-    res = torch.randn(7, 576, generator=g).to(dtype)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype)
     w = torch.rand(576, generator=g).to(dtype) + 0.5
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), _rms_reference(x, w, 1e-5),
                                atol=tol, rtol=tol)
@@ -125,18 +130,20 @@ def test_rms_norm_with_and_without_residual(dtype, tol):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_silu_and_mul(dtype, tol):
-    x = (torch.randn(5, 2 * 96, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+def test_silu_and_mul(dtype, tol, rows):
+    x = (torch.randn(rows, 2 * 256, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     x[0, 0] = -200.0  # exp overflow territory: silu is -0, not NaN
-    want = torch.nn.functional.silu(x[:, :96].float()) * x[:, 96:].float()
+    want = torch.nn.functional.silu(x[:, :256].float()) * x[:, 256:].float()
     got = cpu_ops.silu_and_mul(x)
-    assert got.shape == (5, 96) and not got.isnan().any()
+    assert got.shape == (rows, 256) and not got.isnan().any()
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [6, 1400])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol):
+def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol, rows):
     from transformers import LlamaConfig
 
     from gpu.models.llama import RotaryEmbedding, apply_rope
@@ -144,12 +151,12 @@ def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol):
     heads, kv_heads, d = 4, 2, 16
     rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), d, 64)
     g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(6, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
-    positions = torch.tensor([0, 5, 17, 63, 1, 2])
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 17, 63, 1, 2] * (rows // 6) + [7] * (rows % 6))
     cos, sin = rotary(positions, torch.float32)
-    want = qkv.float().clone().view(6, -1, d)
+    want = qkv.float().clone().view(rows, -1, d)
     want[:, : heads + kv_heads] = apply_rope(want[:, : heads + kv_heads], cos, sin)
     got = qkv.clone()
     cpu_ops.rotary_embedding(got, positions, rotary.cos, rotary.sin, heads + kv_heads, d)
-    torch.testing.assert_close(got.float().view(6, -1, d), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float().view(rows, -1, d), want, atol=tol, rtol=tol)
     assert torch.equal(got[:, -kv_heads * d:], qkv[:, -kv_heads * d:])  # v untouched
