@@ -172,7 +172,7 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
         elif cpu_ops.load() is not None:
             name = "cpu"
         else:
-            log.warning("cpu_ops_unavailable", reason=cpu_ops.error(),
+            log.warning("cpu_kernels_unavailable", reason=cpu_ops.error(),
                         fallback="torch")
             name = "torch"
     if name == "torch":

@@ -1,25 +1,33 @@
 """Where a decode step's time goes: the model runner alone (no HTTP, no actors).
 
 Prefills ``--batch`` sequences of ``--context`` tokens, then times ``--steps`` decode steps of
-the whole batch and prints the median step time, the tokens/s that implies, and torch.profiler's
-table of the most expensive operators for a few of those steps.
+the whole batch and prints the median step time, the tokens/s that implies, and optionally
+torch.profiler's table of the most expensive operators (``--profile``) or the step split into
+linear layers, our C++ kernels (which torch.profiler cannot see), KV writes, sampling and the
+rest (``--breakdown``).
 
     .venv/bin/python loadtest/profile_decode.py --batch 1,8,32 --dtype float32,bfloat16
+    .venv/bin/python loadtest/profile_decode.py --batch 8,32 --dtype bfloat16 --breakdown
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 
 import torch
 
+from gpu import cpu_gemm
+from gpu import model_runner as model_runner_module
+from gpu.attention import CpuAttentionBackend
 from gpu.batch import ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelRunner
 from gpu.sampling_params import SamplingParams
+from kernels import cpu_ops, reference
 
 
 def _requests(batch: int, context: int, block_size: int) -> list[dict]:
@@ -40,6 +48,36 @@ def _step(runner: ModelRunner, reqs: list[dict], prefill: bool) -> None:
         r["tokens"].append(out.sampled_token_ids[r["id"]][0])
 
 
+@contextlib.contextmanager
+def _timed_parts(totals: dict[str, float]):
+    """Wrap the step's parts with wall-clock timers, adding seconds into ``totals``."""
+    patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding")]
+    patches += [(reference, "reshape_and_cache"), (model_runner_module, "sample"),
+                (cpu_gemm.PackedLinear, "forward"), (torch.nn.Linear, "forward")]
+    saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
+    decode = CpuAttentionBackend.__dict__["decode"]
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    try:
+        for obj, name, fn in saved:
+            label = "linear" if name == "forward" else name
+            setattr(obj, name, timed(label, fn))
+        CpuAttentionBackend.decode = staticmethod(timed("decode_attention", decode.__func__))
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        CpuAttentionBackend.decode = decode
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", default="1,8,32")
@@ -47,6 +85,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table")
+    p.add_argument("--breakdown", action="store_true",
+                   help="split the step into linear layers, our kernels, KV writes, sampling")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: the server's default, see cpu_threads)")
     args = p.parse_args()
@@ -78,6 +118,18 @@ def main() -> None:
                     for _ in range(5):
                         _step(runner, reqs, prefill=False)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+            if args.breakdown:
+                totals: dict[str, float] = {}
+                start = time.perf_counter()
+                with _timed_parts(totals):
+                    for _ in range(args.steps):
+                        _step(runner, reqs, prefill=False)
+                step = (time.perf_counter() - start) / args.steps
+                totals["other (python, embedding, views)"] = step * args.steps - sum(
+                    totals.values())
+                for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+                    ms = seconds / args.steps * 1e3
+                    print(f"  {label:34s} {ms:7.2f} ms  {ms / (step * 1e3):5.1%}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,18 @@ def test_backend_selection(monkeypatch):
         get_attention_backend(torch.device(DEVICE))
 
 
+def test_cpu_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
+    from kernels import cpu_ops
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    monkeypatch.setattr(cpu_ops, "_error", "no C++ compiler (g++) on PATH")
+    assert get_attention_backend(torch.device("cpu")).name == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "cpu")  # forced: say why it cannot run
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        get_attention_backend(torch.device("cpu"))
+
+
 def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
