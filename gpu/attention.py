@@ -105,11 +105,18 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode attention from ``kernels/cpu_ops`` (C++, compiled on
-    first use): no padded K/V copy per layer. 3x faster than the reference at 32 decodes."""
+    """The torch backend with decode attention and KV writes from ``kernels/cpu_ops`` (C++,
+    compiled on first use): no padded K/V copy per layer, 3x faster than the reference at 32
+    decodes; one call per layer for the KV write instead of four torch ops."""
 
     name = "cpu"
     decode = staticmethod(cpu_ops.paged_decode_attention)
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> None:
+        cpu_ops.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
 
 
 class TritonAttentionBackend:

@@ -106,6 +106,7 @@ def load() -> ctypes.CDLL | None:
             "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
             "silu_and_mul": [ptr] * 2 + [i64] * 2,
             "rotary": [ptr] * 4 + [i64] * 4,
+            "reshape_and_cache": [ptr] * 5 + [i64] * 4,
         }
         for name, args in signatures.items():
             for suffix in ("f32", "bf16"):
@@ -186,6 +187,26 @@ def rotary_embedding(
         raise ValueError("rotary_embedding: cos/sin must be contiguous float32")
     fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
        num_heads, head_size, x.stride(0))
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write this step's K/V into the paged cache in one call (``reference.reshape_and_cache``'s
+    contract: ``[T, num_kv_heads, head_size]`` rows, ``slot_mapping`` ``[T]`` int64, ``-1``
+    skipped). Slots must be inside the cache (the scheduler's block tables guarantee it)."""
+    fn = _kernel("reshape_and_cache", key.dtype)
+    num_tokens, kv_heads, head_size = key.shape
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.dtype == value.dtype == key.dtype == value_cache.dtype):
+        raise ValueError("reshape_and_cache: contiguous caches in the key's dtype")
+    # Rows may be strided (k and v are views into the fused qkv projection); heads must not be.
+    key, value = (x if x.stride(2) == 1 and x.stride(1) == head_size else x.contiguous()
+                  for x in (key, value))
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    fn(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+       slot_mapping.data_ptr(), num_tokens, kv_heads * head_size, key.stride(0), value.stride(0))
 
 
 def paged_decode_attention(

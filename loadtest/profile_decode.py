@@ -51,7 +51,8 @@ def _step(runner: ModelRunner, reqs: list[dict], prefill: bool) -> None:
 @contextlib.contextmanager
 def _timed_parts(totals: dict[str, float]):
     """Wrap the step's parts with wall-clock timers, adding seconds into ``totals``."""
-    patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding")]
+    patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding",
+                                            "reshape_and_cache")]
     patches += [(reference, "reshape_and_cache"), (model_runner_module, "sample"),
                 (cpu_gemm.PackedLinear, "forward"), (torch.nn.Linear, "forward")]
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]

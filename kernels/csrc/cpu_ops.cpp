@@ -184,6 +184,21 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   }
 }
 
+// key/value [T, token_elems] rows (row stride key_stride / value_stride elements) copied to
+// their cache slots, as vLLM's reshape_and_cache; slot -1 (padding) is skipped.
+template <typename T>
+void reshape_and_cache(const T* key, const T* value, T* key_cache, T* value_cache,
+                       const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems,
+                       int64_t key_stride, int64_t value_stride) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    std::memcpy(key_cache + slot * token_elems, key + t * key_stride, token_elems * sizeof(T));
+    std::memcpy(value_cache + slot * token_elems, value + t * value_stride,
+                token_elems * sizeof(T));
+  }
+}
+
 // Below this many elements an elementwise op runs on the calling thread: waking the other
 // OpenMP threads costs more than the work (a decode step's norms are 1-32 rows).
 constexpr int64_t kParallelMin = 64 * 1024;
@@ -289,6 +304,10 @@ void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const ui
   }                                                                                             \
   void silu_and_mul_##SUFFIX(T* out, const T* x, int64_t rows, int64_t inter) {                \
     silu_and_mul(out, x, rows, inter);                                                          \
+  }                                                                                             \
+  void reshape_and_cache_##SUFFIX(const T* k, const T* v, T* kc, T* vc, const int64_t* slots,  \
+                                 int64_t n, int64_t elems, int64_t ks, int64_t vs) {           \
+    reshape_and_cache(k, v, kc, vc, slots, n, elems, ks, vs);                                   \
   }                                                                                             \
   void rotary_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin,     \
                        int64_t rows, int64_t num_heads, int64_t head_size, int64_t row_stride) { \

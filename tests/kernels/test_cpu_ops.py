@@ -160,3 +160,25 @@ def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol, rows):
     cpu_ops.rotary_embedding(got, positions, rotary.cos, rotary.sin, heads + kv_heads, d)
     torch.testing.assert_close(got.float().view(rows, -1, d), want, atol=tol, rtol=tol)
     assert torch.equal(got[:, -kv_heads * d:], qkv[:, -kv_heads * d:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_equals_reference_from_qkv_views(dtype):
+    """k and v arrive as strided views of the fused qkv output; -1 slots (padding) are skipped."""
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, d, t = 4, 2, 16, 6
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+    slots = torch.tensor([5, 0, -1, 17, 3, -1])
+    caches = []
+    for write in (reference.reshape_and_cache, cpu_ops.reshape_and_cache):
+        kc = torch.full((5, 4, kv_heads, d), float("nan"), dtype=dtype)
+        vc = kc.clone()
+        write(k, v, kc, vc, slots)
+        caches.append((kc, vc))
+    (rk, rv), (ck, cv) = caches
+    assert torch.equal(rk.nan_to_num(7.0), ck.nan_to_num(7.0))
+    assert torch.equal(rv.nan_to_num(7.0), cv.nan_to_num(7.0))
+    assert torch.equal(ck.view(-1, kv_heads, d)[17], k[3])  # really written
+    assert ck.isnan().sum() == (20 - 4) * kv_heads * d  # and nothing else
