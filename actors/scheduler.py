@@ -10,6 +10,10 @@ Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its co
 3. send the batch to the executor actor and await its reply;
 4. ``update_from_output()``: append sampled tokens, finish requests, free their blocks and push
    each request's new tokens to its queue.
+
+With ``--speculative-config`` a decode may carry n-gram drafts (``actors/spec_decode.py``): the
+step computes the last token and the drafts, and ``num_computed_tokens`` then advances by the
+tokens accepted plus one; the K/V written for rejected drafts lies past it and is overwritten.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from actors.messages import (
 )
 from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from actors.request_queue import make_request_queue
-from actors.structured_output import advance, grammar_bitmask
+from actors.spec_decode import can_speculate, propose_ngram
 from actors.stats import StatLogger, StepHistory, StepStats, request_row
+from actors.structured_output import advance, grammar_bitmask
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -60,6 +65,8 @@ class Scheduler(Actor):
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts scored, and accepted
+        self.num_accepted_tokens = 0
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
         self.step_history = StepHistory()
@@ -224,19 +231,26 @@ class Scheduler(Actor):
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             self._preempt_for_priority(budget)
         preempted = False
+        spec = self.config.speculative
+        if spec is not None and (spec.disable_by_batch_size is not None
+                                 and len(self.running) > spec.disable_by_batch_size):
+            spec = None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, n) is None:
+            drafts = self._drafts(request, budget - n) if spec is not None and n == 1 else []
+            while self.kv.allocate_slots(request, n + len(drafts)) is None:
                 victim = self.running.pop()  # the latest arrived
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, n))
-                budget -= n
+                sr = self._scheduled(request, n)
+                sr.spec_token_ids = drafts
+                scheduled.append(sr)
+                budget -= n + len(drafts)
                 i += 1
                 continue
             break
@@ -265,6 +279,22 @@ class Scheduler(Actor):
             scheduled, self.requests)
         self.finished_req_ids = set()
         return so
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """n-gram drafts for a decode, capped by the step's budget, the output tokens still
+        allowed and the context length; ``[]`` when the request cannot be speculated."""
+        spec = self.config.speculative
+        params = request.sampling_params
+        if spec is None or not can_speculate(params, request.structured_output is not None):
+            return []
+        room = min(spec.num_speculative_tokens, budget,
+                   self.max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:  # the last sampled token is the +1 of the step
+            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
+        if room <= 0:
+            return []
+        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_max,
+                             spec.prompt_lookup_min)
 
     def _preempt_for_priority(self, budget: int) -> None:
         """A waiting request of strictly higher priority (lower value) than the worst running
@@ -304,15 +334,30 @@ class Scheduler(Actor):
             request = self.requests.get(sr.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(sr.token_ids)
             new = out.sampled_token_ids.get(sr.req_id)
+            # With drafts, the K/V of the last token and of the accepted drafts is valid:
+            # one fewer than the tokens sampled (the last of them is not computed yet).
+            accepted = len(new) - 1 if sr.spec_token_ids and new else 0
+            request.num_computed_tokens += len(sr.token_ids) + accepted
+            if sr.spec_token_ids:
+                self.num_draft_tokens += len(sr.spec_token_ids)
+                self.num_accepted_tokens += accepted
             if not new:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            request.output_token_ids.extend(new)
+            status = None
+            if len(new) == 1:
+                request.output_token_ids.extend(new)
+                status = advance(request, new) or self._check_stop(request)
+            else:  # drafts accepted: a stop among them ends the output there
+                for i, token in enumerate(new):
+                    request.output_token_ids.append(token)
+                    status = advance(request, [token]) or self._check_stop(request)
+                    if status is not None:
+                        new = new[: i + 1]
+                        break
             self.kv.update_block_hashes(request)
-            status = advance(request, new) or self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
             request.output_queue.put_nowait(RequestOutput(
@@ -370,6 +415,8 @@ class Scheduler(Actor):
                 "num_waiting_for_grammar": len(self.waiting_for_grammar),
                 "num_running": len(self.running),
                 "num_preempted_total": self.num_preemptions,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "num_steps_total": self.num_steps,
                 "num_computed_tokens_total": self.num_computed_tokens_total,
                 "policy": self.config.policy,

@@ -8,8 +8,8 @@ Three backends share one interface (``name``, ``write_kv``, ``forward``): ``torc
 pure-torch reference kernels), ``cpu`` (the reference with decode attention from our C++ kernel,
 which reads K/V in place: the CPU path) and ``triton`` (our Triton kernels; the CUDA path).
 ``get_attention_backend`` picks by device; ``PAGEDSERVE_ATTENTION_BACKEND=cpu|torch|triton``
-forces one, as vLLM's ``VLLM_ATTENTION_BACKEND`` does. Triton on the CPU needs ``TRITON_INTERPRET=1``
-(Triton's interpreter: slow, for tests).
+forces one, as vLLM's ``VLLM_ATTENTION_BACKEND`` does. Triton on the CPU needs
+``TRITON_INTERPRET=1`` (Triton's interpreter: slow, for tests).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class AttentionMetadata:
         max_query_len, max_seq_len: host-side maxima of the prefill chunks' lengths and of
             ``seq_lens``, when known (spares the Triton backend a device sync); ``None`` in a
             captured CUDA graph, whose kernels must not depend on them.
+        num_spec_decodes, num_spec_decode_tokens: the sequences right after the decodes that
+            carry speculative drafts (a few query tokens each), and their tokens. Backends
+            without a multi-query decode treat them as prefill chunks, which they are too.
     """
 
     slot_mapping: torch.Tensor
@@ -52,6 +55,8 @@ class AttentionMetadata:
     num_decode_tokens: int
     max_query_len: int | None = None
     max_seq_len: int | None = None
+    num_spec_decodes: int = 0
+    num_spec_decode_tokens: int = 0
 
 
 class AttentionBackend(Protocol):
@@ -111,6 +116,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
     decode = staticmethod(cpu_ops.paged_decode_attention)
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Decodes and decodes with drafts through the kernel (each draft a decode of its own,
+        seeing the tokens up to it), prefill chunks through the reference."""
+        if not meta.num_spec_decodes:
+            return super().forward(query, kv_cache, meta, scale)
+        key_cache, value_cache = kv_cache
+        ns = meta.num_decodes + meta.num_spec_decodes
+        nt = meta.num_decode_tokens + meta.num_spec_decode_tokens
+        out = torch.empty_like(query)
+        self.decode(query[:nt], key_cache, value_cache, meta.block_table[:ns],
+                    meta.seq_lens[:ns], scale, out=out[:nt],
+                    query_start_loc=meta.query_start_loc[: ns + 1])
+        if ns < meta.seq_lens.shape[0]:
+            out[nt:] = reference.paged_prefill_attention(
+                query[nt:], key_cache, value_cache, meta.block_table[ns:], meta.seq_lens[ns:],
+                meta.query_start_loc[ns:] - nt, scale,
+            )
+        return out
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

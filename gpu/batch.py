@@ -31,6 +31,8 @@ class ScheduledRequest:
         num_prompt_tokens: prompt length (tokens past it are output, for penalties).
         prefix_token_ids: the tokens before ``num_computed_tokens`` when the runner has not
             seen them (a prefix-cache hit at admission); else ``None``.
+        spec_token_ids: draft tokens (speculative decoding) computed after ``token_ids`` in
+            the same step; the runner returns the accepted ones plus one (greedy requests).
     """
 
     req_id: str
@@ -41,6 +43,12 @@ class ScheduledRequest:
     sample: bool
     num_prompt_tokens: int = 0
     prefix_token_ids: list[int] | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Tokens whose K/V this step writes: ``token_ids`` and the drafts."""
+        return len(self.token_ids) + len(self.spec_token_ids)
 
 
 @dataclass(slots=True)
@@ -60,13 +68,13 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.scheduled)
+        return sum(r.num_step_tokens for r in self.scheduled)
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled token ids per request id (one each; lists leave room for speculation), and
-    their logprobs for requests that asked."""
+    """Sampled token ids per request id (one each, or with drafts the accepted ones plus one),
+    and their logprobs for requests that asked."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -100,7 +100,7 @@ class CudaGraphRunner:
 
     def can_run(self, reqs: list[ScheduledRequest]) -> bool:
         """A step of sampled single tokens (decodes), no larger than the largest graph."""
-        return len(reqs) <= self.sizes[-1] and all(len(r.token_ids) == 1 and r.sample
+        return len(reqs) <= self.sizes[-1] and all(r.num_step_tokens == 1 and r.sample
                                                     for r in reqs)
 
     def run(self, reqs: list[ScheduledRequest]) -> torch.Tensor:

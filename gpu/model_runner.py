@@ -230,7 +230,7 @@ class ModelRunner:
         return list(eos) if isinstance(eos, list | tuple) else [eos]
 
     def _prepare(self, reqs: list[ScheduledRequest]):
-        """Flatten the batch: decodes first, then prefill chunks (see ``gpu/attention.py``)."""
+        """Flatten the batch: decodes, decodes with drafts, prefill chunks (``gpu/attention.py``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -239,18 +239,20 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         for r in reqs:
-            n, start = len(r.token_ids), r.num_computed_tokens
+            n, start = r.num_step_tokens, r.num_computed_tokens
             input_ids.extend(r.token_ids)
+            input_ids.extend(r.spec_token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(r.block_ids[p // bs] * bs + p % bs for p in pos)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            if r.sample:
-                logits_indices.append(qsl[-1] - 1)
+            if r.sample:  # with drafts: the last token's row and each draft's
+                logits_indices.extend(range(qsl[-1] - 1 - len(r.spec_token_ids), qsl[-1]))
         max_blocks = max(len(r.block_ids) for r in reqs)
         table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
-        num_decodes = sum(1 for r in reqs if len(r.token_ids) == 1)
+        num_decodes = sum(1 for r in reqs if r.num_step_tokens == 1)
+        spec = [r for r in reqs if r.spec_token_ids]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -259,8 +261,10 @@ class ModelRunner:
             block_table=torch.tensor(table, dtype=torch.int32, device=dev),
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
-            max_query_len=max(len(r.token_ids) for r in reqs),
+            max_query_len=max(r.num_step_tokens for r in reqs),
             max_seq_len=max(seq_lens),
+            num_spec_decodes=len(spec),
+            num_spec_decode_tokens=sum(r.num_step_tokens for r in spec),
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -293,7 +297,9 @@ class ModelRunner:
                 known[:] = r.prefix_token_ids
             del known[r.num_computed_tokens :]  # recompute after preemption rewrites the tail
             known.extend(r.token_ids)
-        reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) != 1)  # decodes first
+        # Decodes first, then decodes with drafts, then prefill chunks (``AttentionMetadata``).
+        reqs = sorted(so.scheduled,
+                      key=lambda r: 0 if r.num_step_tokens == 1 else 2 - bool(r.spec_token_ids))
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
             logits = self.cuda_graphs.run(reqs)
         else:
@@ -304,14 +310,42 @@ class ModelRunner:
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
-        if so.grammar_bitmask is not None:
+        if so.grammar_bitmask is not None:  # one logits row per request, k + 1 with drafts
+            row_ids = [r.req_id for r in sampled_reqs for _ in range(len(r.spec_token_ids) + 1)]
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
-                                  [r.req_id for r in sampled_reqs])
+                                  row_ids)
+        if any(r.spec_token_ids for r in sampled_reqs):
+            return self._verify_drafts(logits, sampled_reqs)
         out = sample(logits, [self._row(r) for r in sampled_reqs])
         return ModelRunnerOutput(
             {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
             {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
         )
+
+    def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
+        """Sample every row (a request with k drafts has k + 1), then keep, per request, the
+        sampled tokens up to and including the first that differs from its draft.
+
+        Requests with drafts are greedy with no history-dependent processing (the scheduler's
+        ``can_speculate``), so row ``i`` samples exactly what plain decoding would after the
+        first ``i`` drafts: the output does not change, only the steps it takes.
+        """
+        rows = [self._row(r) for r in reqs for _ in range(len(r.spec_token_ids) + 1)]
+        out = sample(logits, rows)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        i = 0
+        for r in reqs:
+            k = len(r.spec_token_ids)
+            tokens = out.token_ids[i:i + k + 1]
+            accepted = 0
+            while accepted < k and tokens[accepted] == r.spec_token_ids[accepted]:
+                accepted += 1
+            sampled[r.req_id] = tokens[:accepted + 1]
+            if out.logprobs[i] is not None:  # only requests without drafts ask (k == 0)
+                logprobs[r.req_id] = [out.logprobs[i]]
+            i += k + 1
+        return ModelRunnerOutput(sampled, logprobs)
 
     def _row(self, r: ScheduledRequest) -> SampleRow:
         p = r.sampling_params

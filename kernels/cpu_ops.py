@@ -31,7 +31,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # -ffast-math lets expf and the dot-product reductions vectorize (3x). It is given to the compile
 # step only: linked with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the whole
 # process when the library loads.
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
+         "-std=c++17", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 
@@ -102,7 +103,7 @@ def load() -> ctypes.CDLL | None:
             return None
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         signatures = {
-            "paged_decode_attention": [ptr] * 6 + [i64] * 6 + [f32],
+            "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32],
             "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
             "silu_and_mul": [ptr] * 2 + [i64] * 2,
             "rotary": [ptr] * 4 + [i64] * 4,
@@ -217,9 +218,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention read in place from the paged cache (same contract as
-    ``reference.paged_decode_attention``).
+    ``reference.paged_decode_attention``), optionally with several queries per sequence.
 
     Args:
         query: ``[B, num_heads, head_size]`` float32 or bfloat16, on the CPU.
@@ -227,7 +229,11 @@ def paged_decode_attention(
             the query's dtype.
         block_table: ``[B, max_blocks_per_seq]`` int32; seq_lens: ``[B]`` int32, each >= 1 and
             covered by its row of the block table (not checked: the scheduler guarantees it).
-        out: optional ``[B, num_heads, head_size]`` contiguous buffer to write into.
+        out: optional contiguous buffer shaped like ``query`` to write into.
+        query_start_loc: ``[B + 1]`` int32: sequence ``i`` has queries ``qsl[i]:qsl[i+1]`` of
+            ``query``, its last tokens (a decode with speculative drafts); query ``j`` of
+            ``q_len`` attends to the first ``seq_lens[i] - (q_len - 1 - j)`` tokens (causal).
+            ``None``: one query per sequence.
 
     Returns:
         ``[B, num_heads, head_size]`` in the query's dtype (softmax in float32).
@@ -237,7 +243,8 @@ def paged_decode_attention(
         ValueError: unsupported dtype, or ``num_heads`` not a multiple of ``num_kv_heads``.
     """
     fn = _kernel("paged_decode_attention", query.dtype)
-    num_seqs, num_heads, head_size = query.shape
+    num_heads, head_size = query.shape[1:]
+    num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -249,7 +256,11 @@ def paged_decode_attention(
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty_like(query)
+    qsl = 0
+    if query_start_loc is not None:
+        query_start_loc = query_start_loc.to(torch.int32).contiguous()
+        qsl = query_start_loc.data_ptr()
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
-       seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
+       seq_lens.data_ptr(), qsl, out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
        block_size, block_table.shape[1], scale)
     return out

@@ -14,6 +14,7 @@ import structlog
 
 from actors.config import SchedulerConfig
 from actors.engine import AsyncEngine, EngineConfig
+from actors.spec_decode import SpeculativeConfig, parse_speculative_config
 from actors.structured_output import StructuredOutputConfig
 from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
 from gpu.loader import ModelLoadError
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fcfs, or priority (request field `priority`, lower runs earlier)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests with 503 while this many wait (default: no limit)")
+    s.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2, "disable_by_batch_size": 16}\' (default: off)')
     s.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require `Authorization: Bearer <key>` on every route but /health "
                         "(default: $PAGEDSERVE_API_KEY, else none)")
@@ -95,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level")
     return parser
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def configure_logging(level: str) -> None:
@@ -124,7 +136,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.scheduling_policy,
-                                  max_waiting_requests=args.max_waiting_requests),
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  speculative=args.speculative_config),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=args.structured_output_compile_timeout),
     )

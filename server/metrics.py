@@ -123,6 +123,11 @@ class _SnapshotCollector(Collector):
                             kv["prefix_cache_queries"])
         yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.",
                             kv["prefix_cache_hits"])
+        # vLLM's names: speculative decoding's drafts scored and accepted, in tokens.
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens scored.",
+                            sched["spec_decode_num_draft_tokens"])
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            sched["spec_decode_num_accepted_tokens"])
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

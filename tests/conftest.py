@@ -94,6 +94,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
             max_num_batched_tokens=kw.pop("max_num_batched_tokens", 512),
             policy=kw.pop("policy", "fcfs"),
             max_waiting_requests=kw.pop("max_waiting_requests", None),
+            speculative=kw.pop("speculative", None),
         ),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),

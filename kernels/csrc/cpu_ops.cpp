@@ -117,10 +117,13 @@ void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
 }
 #endif
 
+// query_start_loc (nullable: one query per sequence): sequence i has queries
+// qsl[i]..qsl[i+1]-1, its last ones (a decode with speculative drafts); query j of q_len sees
+// the first seq_len - (q_len - 1 - j) tokens, i.e. each is a decode of its own.
 template <typename T>
 void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_table,
-            const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
-            int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+            const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int64_t num_seqs,
+            int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
             int64_t block_table_stride, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;  // one token's K (or V), all kv heads
@@ -133,17 +136,20 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      const int64_t len = seq_lens[seq];
+      const int64_t q_begin = query_start_loc ? query_start_loc[seq] : seq;
+      const int64_t q_len = query_start_loc ? query_start_loc[seq + 1] - q_begin : 1;
       const int32_t* blocks = block_table + seq * block_table_stride;
-      const T* q_src = query + seq * num_heads * head_size;
+      for (int64_t j = 0; j < q_len; ++j) {
+      const int64_t len = seq_lens[seq] - (q_len - 1 - j);
+      T* dst = out + (q_begin + j) * num_heads * head_size;
+      const T* q_src = query + (q_begin + j) * num_heads * head_size;
       for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = load(q_src[i]) * scale;
       scores.resize(num_heads * len);
 #if defined(__AVX512F__)
       if (head_size % 16 == 0) {
         decode_seq_avx512(q.data(), key_cache, value_cache, blocks, len, num_heads, group,
                           num_kv_heads, head_size, block_size, scores.data(), acc.data());
-        finish(acc.data(), scores.data(), out + seq * num_heads * head_size, num_heads,
-               head_size, len);
+        finish(acc.data(), scores.data(), dst, num_heads, head_size, len);
         continue;
       }
 #endif
@@ -178,8 +184,8 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
           for (int64_t d = 0; d < head_size; ++d) ah[d] += p * vh[d];
         }
       }
-      finish(acc.data(), scores.data(), out + seq * num_heads * head_size, num_heads,
-             head_size, len);
+      finish(acc.data(), scores.data(), dst, num_heads, head_size, len);
+      }
     }
   }
 }
@@ -280,21 +286,21 @@ void rotary(T* x, const int64_t* positions, const float* cos, const float* sin, 
 
 extern "C" {
 
-// All tensors contiguous: query/out [num_seqs, num_heads, head_size]; caches [num_blocks,
+// All tensors contiguous: query/out [num_queries, num_heads, head_size]; caches [num_blocks,
 // block_size, num_kv_heads, head_size]; block_table [num_seqs, block_table_stride] int32;
-// seq_lens [num_seqs] int32, each >= 1.
+// seq_lens [num_seqs] int32, each >= its number of queries; qsl [num_seqs + 1] int32 or null.
 void paged_decode_attention_f32(const float* q, const float* kc, const float* vc,
-                                const int32_t* bt, const int32_t* sl, float* out, int64_t n,
-                                int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t bts,
-                                float scale) {
-  decode(q, kc, vc, bt, sl, out, n, h, hkv, d, bs, bts, scale);
+                                const int32_t* bt, const int32_t* sl, const int32_t* qsl,
+                                float* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
+                                int64_t bs, int64_t bts, float scale) {
+  decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
 }
 
 void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                                 const int32_t* bt, const int32_t* sl, uint16_t* out, int64_t n,
-                                 int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t bts,
-                                 float scale) {
-  decode(q, kc, vc, bt, sl, out, n, h, hkv, d, bs, bts, scale);
+                                 const int32_t* bt, const int32_t* sl, const int32_t* qsl,
+                                 uint16_t* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
+                                 int64_t bs, int64_t bts, float scale) {
+  decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
 }
 
 #define PAGEDSERVE_ELEMENTWISE(SUFFIX, T)                                                       \

@@ -18,6 +18,7 @@ from actors.engine import AsyncEngine
 from gpu.attention import (
     BACKEND_ENV,
     AttentionMetadata,
+    CpuAttentionBackend,
     TorchAttentionBackend,
     TritonAttentionBackend,
     get_attention_backend,
@@ -97,6 +98,27 @@ def test_mixed_step_matches_torch_backend():
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert not torch.equal(caches[0][0], kc)  # the step's K really was written
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_backend_with_draft_queries_matches_torch_backend():
+    """A decode, a decode with 3 drafts (4 queries, the kernel) and a prefill chunk after
+    cached context (the reference), in one step: equal to the pure-torch backend."""
+    g = torch.Generator().manual_seed(11)
+    block_size, kv_heads, heads, head_size = 4, 2, 4, 16
+    seq_lens, q_lens = [9, 10, 12], [1, 4, 5]
+    table = torch.randperm(16, generator=g)[:12].view(3, 4).int()
+    kc = torch.randn(16, block_size, kv_heads, head_size, generator=g)
+    vc = torch.randn(16, block_size, kv_heads, head_size, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(10, dtype=torch.int64),  # unused: no write here
+        query_start_loc=torch.tensor([0, 1, 5, 10]).int(), seq_lens=torch.tensor(seq_lens).int(),
+        block_table=table, num_decodes=1, num_decode_tokens=1, max_query_len=5, max_seq_len=12,
+        num_spec_decodes=1, num_spec_decode_tokens=4,
+    )
+    q = torch.randn(sum(q_lens), heads, head_size, generator=g)
+    want = TorchAttentionBackend().forward(q, (kc, vc), meta, 0.25)
+    got = CpuAttentionBackend().forward(q, (kc, vc), meta, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def _decode(req_id: str, pos: int, block_ids: list[int]) -> ScheduledRequest:

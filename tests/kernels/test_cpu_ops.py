@@ -182,3 +182,21 @@ def test_reshape_and_cache_equals_reference_from_qkv_views(dtype):
     assert torch.equal(rv.nan_to_num(7.0), cv.nan_to_num(7.0))
     assert torch.equal(ck.view(-1, kv_heads, d)[17], k[3])  # really written
     assert ck.isnan().sum() == (20 - 4) * kv_heads * d  # and nothing else
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_several_queries_per_sequence_are_causal_decodes(dtype, tol):
+    """A decode with drafts: query j of q_len sees the context up to its own position."""
+    seq_lens, q_lens = [9, 1, 20], [3, 1, 4]
+    q, kc, vc, table, lens = _setup(seq_lens, 6, 2, 64, 4, dtype)
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(sum(q_lens), 6, 64, generator=g).to(dtype)
+    qsl = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    got = cpu_ops.paged_decode_attention(query, kc, vc, table, lens, 0.125, query_start_loc=qsl)
+    rows, row_lens = [], []
+    for i, (s, n) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        rows += [i] * n
+        row_lens += [s - (n - 1 - j) for j in range(n)]
+    want = _reference(query, kc, vc, table[rows], torch.tensor(row_lens, dtype=torch.int32),
+                      0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -148,7 +148,8 @@ async def test_model_and_config(client):
     assert s["model"]["name"] == TINY_NAME and s["model"]["max_model_len"] == 2048
     cfg = s["config"]
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512,
-                                "policy": "fcfs", "max_waiting_requests": None}
+                                "policy": "fcfs", "max_waiting_requests": None,
+                                "speculative": None}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
     kv = s["kv_cache"]
