@@ -1,0 +1,104 @@
+"""n-gram speculative decoding: greedy output equals transformers' (and plain decoding's) with
+fewer steps; requests that cannot be speculated run beside them; stops inside accepted drafts
+end the output exactly; bad configs are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from actors.spec_decode import SpeculativeConfig, parse_speculative_config, propose_ngram
+from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats
+
+REPEAT = ("Repeat this line four times: the quick brown fox jumps over the lazy dog. "
+          "the quick brown fox jumps over the lazy dog.")
+
+
+def test_propose_ngram_takes_the_longest_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 3, 4, 2) == [4, 5, 1]
+    assert propose_ngram([9, 1, 2, 9, 1, 2, 5, 1, 2], 2, 3, 2) == [5, 1]  # latest 2-gram
+    assert propose_ngram([1, 2, 3, 4, 5, 6], 3, 4, 2) == []  # nothing recurs
+    assert propose_ngram([7, 7, 7, 7], 5, 4, 2) == [7]  # what follows, at most
+    # 256 then 1 pack to bytes that contain 1's packing at an odd offset: never a match.
+    assert propose_ngram([256, 1, 0, 0, 1], 2, 2, 1) == [0, 0]
+    assert propose_ngram([5], 3, 4, 1) == []
+
+
+def test_parse_speculative_config():
+    assert parse_speculative_config('{"num_speculative_tokens": 5}') == SpeculativeConfig(
+        num_speculative_tokens=5)
+    for bad, why in [('{"method": "eagle"}', "only 'ngram'"), ("[1]", "object"),
+                     ('{"num_speculative_tokens": 0}', ">= 1"), ("{oops", "not JSON"),
+                     ('{"prompt_lookup_min": 5}', "prompt_lookup_min >"),
+                     ('{"draft_model": "x"}', "unknown keys"),
+                     ('{"disable_by_batch_size": 0}', "disable_by_batch_size")]:
+        with pytest.raises(ValueError, match=why.replace("(", r"\(")):
+            parse_speculative_config(bad)
+
+
+def test_cli_refuses_a_bad_speculative_config():
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--speculative-config",
+                        '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--speculative-config" in r.stderr and "only 'ngram'" in r.stderr
+
+
+async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
+    prompts = [REPEAT, "1 2 3 4 5 6 7 8 9 10 11 12", "What is the capital of France?"]
+    wants = [hf_greedy(tiny_model_dir, chat_prompt_ids(tiny_model_dir, p), 40) for p in prompts]
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    async with serve(tiny_model_dir, speculative=spec) as client:
+        before = (await stats(client))["scheduler"]
+        bodies = await asyncio.gather(*(chat(client, p, max_tokens=40) for p in prompts))
+        after = (await stats(client))["scheduler"]
+        # Beside greedy ones: a sampled request and one with logprobs (neither gets drafts).
+        mixed = await asyncio.gather(
+            chat(client, REPEAT, max_tokens=40), chat(client, REPEAT, max_tokens=40,
+                                                      temperature=1.0, seed=3),
+            chat(client, REPEAT, max_tokens=40, logprobs=True))
+        idle = (await stats(client))["scheduler"]
+        metrics = (await client.get("/metrics")).text
+    for body, want in zip([*bodies, mixed[0]], [*wants, wants[0]], strict=True):
+        tokens = body["choices"][0]["token_ids"]
+        assert tokens == want[: len(tokens)] and len(tokens) == min(40, len(want))
+    assert len(mixed[1]["choices"][0]["token_ids"]) == 40
+    assert len(mixed[2]["choices"][0]["logprobs"]["content"]) == 40
+    assert idle["num_running"] == idle["num_waiting"] == 0
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    assert 0 < accepted <= drafted
+    assert (f"pagedserve:spec_decode_num_accepted_tokens_total{{model_name=\"{TINY_NAME}\"}} "
+            f"{float(idle['spec_decode_num_accepted_tokens'])}") in metrics
+    # 40 tokens each would take 40 steps (plus prefill) one token at a time.
+    assert after["num_steps_total"] - before["num_steps_total"] < 40
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6, 13])
+async def test_max_tokens_is_exact_when_drafts_run_past_it(tiny_model_dir, max_tokens):
+    want = hf_greedy(tiny_model_dir, chat_prompt_ids(tiny_model_dir, REPEAT), 13)
+    spec = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1)
+    async with serve(tiny_model_dir, speculative=spec) as client:
+        body = await chat(client, REPEAT, max_tokens=max_tokens, ignore_eos=True)
+        s = await stats(client)
+    assert body["choices"][0]["token_ids"] == want[:max_tokens]
+    assert body["usage"]["completion_tokens"] == max_tokens
+    assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+
+
+async def test_smollm2_greedy_equals_hf_and_accepts_drafts(default_model_dir):
+    """The real model copies the line it is asked to repeat: most drafts are accepted."""
+    want = hf_greedy(default_model_dir, chat_prompt_ids(default_model_dir, REPEAT), 48)
+    spec = SpeculativeConfig(num_speculative_tokens=3)
+    async with serve(default_model_dir, name="smollm2", speculative=spec) as client:
+        before = (await stats(client))["scheduler"]
+        body = await chat(client, REPEAT, max_tokens=48, model="smollm2")
+        after = (await stats(client))["scheduler"]
+    tokens = body["choices"][0]["token_ids"]
+    assert tokens == want[: len(tokens)] and len(tokens) == min(48, len(want))
+    steps = after["num_steps_total"] - before["num_steps_total"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted >= len(tokens) // 3  # measured: about two tokens per step
+    assert steps <= len(tokens) - accepted + 1
