@@ -240,6 +240,8 @@ class Scheduler(Actor):
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, budget - n) if spec is not None and n == 1 else []
+            if drafts and self.kv.allocate_slots(request, n + len(drafts)) is None:
+                drafts = []  # no blocks for guesses: never preempt anyone for them
             while self.kv.allocate_slots(request, n + len(drafts)) is None:
                 victim = self.running.pop()  # the latest arrived
                 self._preempt(victim)

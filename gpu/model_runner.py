@@ -295,8 +295,11 @@ class ModelRunner:
             known = self.token_ids.setdefault(r.req_id, [])
             if r.prefix_token_ids is not None:
                 known[:] = r.prefix_token_ids
-            del known[r.num_computed_tokens :]  # recompute after preemption rewrites the tail
+            # Recompute after preemption rewrites the tail, and so does the step after drafts:
+            # the rejected ones go.
+            del known[r.num_computed_tokens :]
             known.extend(r.token_ids)
+            known.extend(r.spec_token_ids)
         # Decodes first, then decodes with drafts, then prefill chunks (``AttentionMetadata``).
         reqs = sorted(so.scheduled,
                       key=lambda r: 0 if r.num_step_tokens == 1 else 2 - bool(r.spec_token_ids))
