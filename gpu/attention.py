@@ -78,6 +78,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     decode = staticmethod(reference.paged_decode_attention)
+    multi_query_decode = False  # decodes with drafts are prefill chunks here
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -90,21 +91,28 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        """``[T, num_heads, head_size]`` queries → attention output of the same shape."""
+        """``[T, num_heads, head_size]`` queries → attention output of the same shape.
+
+        The first sequences go to ``decode``: the decodes, and with ``multi_query_decode`` the
+        decodes with drafts too; the rest are prefill chunks.
+        """
         key_cache, value_cache = kv_cache
-        nd = meta.num_decodes
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+        extra = {}
+        if self.multi_query_decode and meta.num_spec_decodes:
+            nd += meta.num_spec_decodes
+            nt += meta.num_spec_decode_tokens
+            extra["query_start_loc"] = meta.query_start_loc[: nd + 1]
         if nd == meta.seq_lens.shape[0]:
-            return self.decode(
-                query, key_cache, value_cache, meta.block_table, meta.seq_lens, scale
-            )
+            return self.decode(query, key_cache, value_cache, meta.block_table, meta.seq_lens,
+                               scale, **extra)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self.decode(
-                query[:nd], key_cache, value_cache, meta.block_table[:nd], meta.seq_lens[:nd], scale
-            )
-        out[nd:] = reference.paged_prefill_attention(
-            query[nd:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
-            meta.query_start_loc[nd:] - nd, scale,
+            out[:nt] = self.decode(query[:nt], key_cache, value_cache, meta.block_table[:nd],
+                                   meta.seq_lens[:nd], scale, **extra)
+        out[nt:] = reference.paged_prefill_attention(
+            query[nt:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
+            meta.query_start_loc[nd:] - nt, scale,
         )
         return out
 
@@ -116,28 +124,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
     decode = staticmethod(cpu_ops.paged_decode_attention)
-
-    def forward(
-        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata, scale: float,
-    ) -> torch.Tensor:
-        """Decodes and decodes with drafts through the kernel (each draft a decode of its own,
-        seeing the tokens up to it), prefill chunks through the reference."""
-        if not meta.num_spec_decodes:
-            return super().forward(query, kv_cache, meta, scale)
-        key_cache, value_cache = kv_cache
-        ns = meta.num_decodes + meta.num_spec_decodes
-        nt = meta.num_decode_tokens + meta.num_spec_decode_tokens
-        out = torch.empty_like(query)
-        self.decode(query[:nt], key_cache, value_cache, meta.block_table[:ns],
-                    meta.seq_lens[:ns], scale, out=out[:nt],
-                    query_start_loc=meta.query_start_loc[: ns + 1])
-        if ns < meta.seq_lens.shape[0]:
-            out[nt:] = reference.paged_prefill_attention(
-                query[nt:], key_cache, value_cache, meta.block_table[ns:], meta.seq_lens[ns:],
-                meta.query_start_loc[ns:] - nt, scale,
-            )
-        return out
+    multi_query_decode = True  # decodes with drafts go through the kernel, not the prefill path
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
