@@ -2,10 +2,12 @@
 
 - ``paged_decode_attention``: the torch reference gathers every sequence's K/V blocks into a
   padded copy and runs SDPA on it; at 32 decodes of ~200 tokens that gather and SDPA were 44%
-  of a bfloat16 step. This kernel reads the blocks in place.
+  of a bfloat16 step. This kernel reads the blocks in place, and takes several queries per
+  sequence (a decode with speculative drafts) as causal decodes of their own.
 - ``rms_norm`` (optionally fused with the residual add), ``silu_and_mul`` and
   ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, which in
-  bfloat16 were a quarter of a prefill step. Same ideas as vLLM's ``csrc/cpu/`` kernels.
+  bfloat16 were a quarter of a prefill step; ``reshape_and_cache``, the KV write, in one call
+  instead of four ops. Same ideas as vLLM's ``csrc/cpu/`` kernels.
 
 The library is compiled on first use with the system's C++ compiler into
 ``~/.cache/pagedserve/kernels/`` (a second or two), keyed by the source, the flags and the CPU,
