@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 2, "disable_by_batch_size": 16}\' (default: off)')
+                        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\' (default: off)')
     s.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require `Authorization: Bearer <key>` on every route but /health "
                         "(default: $PAGEDSERVE_API_KEY, else none)")
