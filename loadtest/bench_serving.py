@@ -333,6 +333,18 @@ def _given(url: str):
     yield url
 
 
+def _reset_prefix_cache(base_url: str, api_key: str) -> None:
+    """Each level starts with a cold prefix cache: level n's prompts include level n-1's, and
+    a server that kept them would skip part of the prefill the baseline has to do. vLLM and
+    pagedserve take ``POST /reset_prefix_cache``; others (404) are left as they are."""
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        httpx.post(f"{root}/reset_prefix_cache", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        pass
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     levels = [int(c) for c in args.max_concurrency.split(",")]
@@ -346,6 +358,7 @@ def main(argv=None) -> int:
         with launched_server(args) if args.launch else _given(args.base_url) as url:
             args.base_url = url
             for c, n in zip(levels, counts, strict=True):
+                _reset_prefix_cache(url, args.api_key)
                 r = asyncio.run(run_server_level(args, build_workload(args, n), c))
                 print(_row(r), flush=True)
                 results.append(r)
