@@ -349,16 +349,12 @@ class Scheduler(Actor):
             if request.first_token_time is None:
                 request.first_token_time = now
             status = None
-            if len(new) == 1:
-                request.output_token_ids.extend(new)
-                status = advance(request, new) or self._check_stop(request)
-            else:  # drafts accepted: a stop among them ends the output there
-                for i, token in enumerate(new):
-                    request.output_token_ids.append(token)
-                    status = advance(request, [token]) or self._check_stop(request)
-                    if status is not None:
-                        new = new[: i + 1]
-                        break
+            for i, token in enumerate(new):  # with drafts, a stop among them ends the output
+                request.output_token_ids.append(token)
+                status = advance(request, [token]) or self._check_stop(request)
+                if status is not None:
+                    new = new[: i + 1]
+                    break
             self.kv.update_block_hashes(request)
             if status is not None:
                 self._finish(request, status)

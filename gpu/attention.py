@@ -78,6 +78,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     decode = staticmethod(reference.paged_decode_attention)
+    reshape_and_cache = staticmethod(reference.reshape_and_cache)
     multi_query_decode = False  # decodes with drafts are prefill chunks here
 
     def write_kv(
@@ -85,7 +86,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
     ) -> None:
         """Store this step's ``[T, num_kv_heads, head_size]`` K/V at ``meta.slot_mapping``."""
-        reference.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        self.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
 
     def forward(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -125,12 +126,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     decode = staticmethod(cpu_ops.paged_decode_attention)
     multi_query_decode = True  # decodes with drafts go through the kernel, not the prefill path
-
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> None:
-        cpu_ops.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+    reshape_and_cache = staticmethod(cpu_ops.reshape_and_cache)
 
 
 class TritonAttentionBackend:

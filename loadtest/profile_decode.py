@@ -22,12 +22,12 @@ import torch
 
 from gpu import cpu_gemm
 from gpu import model_runner as model_runner_module
-from gpu.attention import CpuAttentionBackend
+from gpu.attention import CpuAttentionBackend, TorchAttentionBackend
 from gpu.batch import ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
 from gpu.model_runner import ModelRunner
 from gpu.sampling_params import SamplingParams
-from kernels import cpu_ops, reference
+from kernels import cpu_ops
 
 
 def _requests(batch: int, context: int, block_size: int) -> list[dict]:
@@ -51,12 +51,14 @@ def _step(runner: ModelRunner, reqs: list[dict], prefill: bool) -> None:
 @contextlib.contextmanager
 def _timed_parts(totals: dict[str, float]):
     """Wrap the step's parts with wall-clock timers, adding seconds into ``totals``."""
-    patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding",
-                                            "reshape_and_cache")]
-    patches += [(reference, "reshape_and_cache"), (model_runner_module, "sample"),
-                (cpu_gemm.PackedLinear, "forward"), (torch.nn.Linear, "forward")]
+    patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding")]
+    patches += [(model_runner_module, "sample"), (cpu_gemm.PackedLinear, "forward"),
+                (torch.nn.Linear, "forward")]
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
-    decode = CpuAttentionBackend.__dict__["decode"]
+    # The backends' kernels are static attributes bound at class creation: patch them there.
+    kernels = [(backend, name, backend.__dict__[name])
+               for backend in (TorchAttentionBackend, CpuAttentionBackend)
+               for name in ("decode", "reshape_and_cache")]
 
     def timed(label, fn):
         def wrapper(*args, **kwargs):
@@ -71,12 +73,13 @@ def _timed_parts(totals: dict[str, float]):
         for obj, name, fn in saved:
             label = "linear" if name == "forward" else name
             setattr(obj, name, timed(label, fn))
-        CpuAttentionBackend.decode = staticmethod(timed("decode_attention", decode.__func__))
+        for backend, name, fn in kernels:
+            label = "decode_attention" if name == "decode" else name
+            setattr(backend, name, staticmethod(timed(label, fn.__func__)))
         yield
     finally:
-        for obj, name, fn in saved:
+        for obj, name, fn in [*saved, *kernels]:
             setattr(obj, name, fn)
-        CpuAttentionBackend.decode = decode
 
 
 def main() -> None:
