@@ -77,7 +77,9 @@ async def abort_count(client: httpx.AsyncClient, headers=None) -> float:
 async def test_chat_page_streams_keeps_conversation_and_stop_aborts(browser, tiny_model_dir):
     from playwright.async_api import expect
 
-    async with serve(tiny_model_dir, max_model_len=2048, num_blocks=1024) as client:
+    # Long enough to still be streaming when Stop is clicked on a fast machine (the tiny model
+    # makes ~1,200 tokens/s on one).
+    async with serve(tiny_model_dir, max_model_len=20480, num_blocks=1400) as client:
         base = str(client.base_url).rstrip("/")
         page = await browser.new_page(viewport={"width": 1100, "height": 760})
         seen = watch_requests(page, base)
@@ -85,7 +87,7 @@ async def test_chat_page_streams_keeps_conversation_and_stop_aborts(browser, tin
         await expect(page.locator("#model-name")).to_have_text(TINY_NAME)
         await page.click("#settings summary")
         await page.fill("#api-key", "sk-page")
-        await page.fill("#max-tokens", "1500")
+        await page.fill("#max-tokens", "20000")
         await page.fill("#temperature", "0")
         await page.check("#ignore-eos")
         await page.fill("#prompt", "Tell me a very long story about paged attention.")
