@@ -66,6 +66,17 @@ async function send(text) {
   const s = { tokens: 0, ttft: null, firstAt: null, lastAt: null, start: performance.now() };
   let finish = null;
   let answer = "";
+  // One text node grown in place, and one scroll and stats update per frame: rewriting the
+  // whole answer and scrolling per token is quadratic, and at a thousand tokens/s it starved
+  // the page (the Stop button never settled enough to click).
+  const node = document.createTextNode("");
+  out.append(node);
+  let frame = 0;
+  const render = () => {
+    frame = 0;
+    out.parentElement.scrollIntoView({ block: "end" });
+    showStats(s, null);
+  };
   state.controller = new AbortController();
   setBusy(true);
   showStats(s, "waiting…");
@@ -93,14 +104,16 @@ async function send(text) {
       if (n) s.lastAt = performance.now();
       if (choice.delta && choice.delta.content) {
         answer += choice.delta.content;
-        out.textContent = answer;
-        out.parentElement.scrollIntoView({ block: "end" });
+        node.appendData(choice.delta.content);
       }
       if (choice.finish_reason) finish = choice.finish_reason;
-      showStats(s, null);
+      if (!frame) frame = requestAnimationFrame(render);
     });
+    cancelAnimationFrame(frame);
+    render();
     showStats(s, `finished: ${finish || "?"}`);
   } catch (e) {
+    cancelAnimationFrame(frame);
     if (e.name === "AbortError") {
       showStats(s, "stopped");
       out.parentElement.classList.add("stopped");
