@@ -228,7 +228,7 @@ class AsyncEngine:
         )
         log.info(
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
-            load_seconds=round(info.load_seconds, 2),
+            quantization=info.quantization, load_seconds=round(info.load_seconds, 2),
         )
         return cls(config, info, tokenizer, scheduler, executor, stat_loggers,
                    structured_output)
@@ -296,6 +296,7 @@ class AsyncEngine:
         stats = await reply
         stats["model"] = {"name": self.info.served_name, "path": self.info.path,
                           "dtype": self.info.dtype, "device": self.info.device,
+                          "quantization": self.info.quantization,
                           "max_model_len": self.info.max_model_len}
         stats["config"] = self.effective_config()
         stats["time"] = time.time()
@@ -323,7 +324,8 @@ class AsyncEngine:
         dtype, default ``max_model_len``, the KV pool's size) filled in."""
         config = asdict(self.config)
         config["model"].update(dtype=self.info.dtype, device=self.info.device,
-                               max_model_len=self.info.max_model_len)
+                               max_model_len=self.info.max_model_len,
+                               quantization=self.info.quantization or "none")
         config["cache"]["num_blocks"] = self.info.num_blocks
         return config
 

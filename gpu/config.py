@@ -19,6 +19,9 @@ class ModelConfig:
         seed: global seed for requests without their own.
         device: ``cuda`` or ``cpu``; ``None`` picks CUDA when present.
         enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode steps).
+        quantization: ``gguf`` keeps a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (CPU);
+            ``none`` de-quantizes them at load; ``None`` = ``gguf`` for a GGUF model on a CPU
+            whose kernels build, else ``none``.
     """
 
     model: str | None = None
@@ -27,6 +30,7 @@ class ModelConfig:
     seed: int = 0
     device: str | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
 
 
 @dataclass(slots=True)

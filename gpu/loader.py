@@ -36,10 +36,12 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(slots=True)
 class ResolvedModel:
-    """A loadable Hugging Face directory and the name it is served under by default."""
+    """A loadable Hugging Face directory and the name it is served under by default;
+    ``gguf_file``: the GGUF it was converted from, if any (its quantized blocks can be kept)."""
 
     path: Path
     default_served_name: str
+    gguf_file: Path | None = None
 
 
 def embedded_gguf_path() -> Path:
@@ -122,12 +124,13 @@ def resolve_model(model: str | None) -> ResolvedModel:
             nor downloadable.
     """
     if model is None:
-        return ResolvedModel(convert_gguf(embedded_gguf_path()), EMBEDDED_SERVED_NAME)
+        gguf = embedded_gguf_path()
+        return ResolvedModel(convert_gguf(gguf), EMBEDDED_SERVED_NAME, gguf)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return ResolvedModel(convert_gguf(path.resolve()), model)
+        return ResolvedModel(convert_gguf(path.resolve()), model, path.resolve())
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from gpu import cpu_gemm, kv_cache, loader
+from gpu import cpu_gemm, gguf_linear, kv_cache, loader
 from gpu.attention import AttentionMetadata, get_attention_backend
 from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from gpu.config import CacheConfig, ModelConfig
@@ -68,6 +68,22 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def pick_quantization(name: str | None, resolved: loader.ResolvedModel,
+                      device: torch.device) -> str | None:
+    """``--quantization``: ``gguf`` keeps a GGUF file's quantized blocks (CPU only), ``none``
+    de-quantizes; unset = ``gguf`` wherever it can run. Raises ``ValueError``."""
+    if name not in (None, "gguf", "none"):
+        raise ValueError(f"unknown quantization {name!r}; choose gguf or none")
+    if name == "none":
+        return None
+    can = resolved.gguf_file is not None and gguf_linear.supported(device)
+    if name == "gguf" and not can:
+        raise ValueError(
+            "--quantization gguf needs a .gguf model on the CPU with the C++ kernels built"
+            + ("" if resolved.gguf_file is None else f" (device {device.type})"))
+    return "gguf" if can else None
+
+
 @dataclass(slots=True)
 class ModelInfo:
     """What the engine needs to know once the model is loaded."""
@@ -83,6 +99,7 @@ class ModelInfo:
     load_seconds: float
     vocab_size: int
     attention_backend: str = "torch"
+    quantization: str | None = None
 
 
 class ModelRunner:
@@ -131,7 +148,12 @@ class ModelRunner:
         if getattr(self.hf_config, "tie_word_embeddings", False):
             model.lm_head.weight = model.model.embed_tokens.weight
         loader.load_weights(model, resolved.path)
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.quantization = pick_quantization(mc.quantization, resolved, self.device)
+        if self.quantization == "gguf":
+            swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config)
+            log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+            m.qweight.numel() for m in model.modules() if isinstance(m, gguf_linear.GGUFLinear))
         if cpu_gemm.can_pack(self.dtype, self.device):
             cpu_gemm.pack_linears(model)
         self.model = model.eval()
@@ -162,6 +184,7 @@ class ModelRunner:
             load_seconds=time.perf_counter() - start,
             vocab_size=self.hf_config.vocab_size,
             attention_backend=self.attn_backend.name,
+            quantization=self.quantization,
         )
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "gguf_gemm.cpp")]
 # -ffast-math lets expf and the dot-product reductions vectorize (3x). It is given to the compile
 # step only: linked with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the whole
 # process when the library loads.
@@ -61,7 +61,8 @@ def _cpu_key() -> str:
 
 def _build(compiler: str) -> Path:
     digest = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS + LINK_FLAGS).encode() + _cpu_key().encode()
+        b"".join(s.read_bytes() for s in SOURCES)
+        + " ".join(FLAGS + LINK_FLAGS).encode() + _cpu_key().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_ops-{digest}.so"
     if out.exists():
@@ -70,14 +71,16 @@ def _build(compiler: str) -> Path:
     # Build beside the target and rename: concurrent server processes never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    obj = tmp[: -len(".so")] + ".o"
+    objs = [f"{tmp[: -len('.so')]}-{s.stem}.o" for s in SOURCES]
     try:
-        for cmd in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", obj],
-                    [compiler, *LINK_FLAGS, obj, "-o", tmp]):
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        for source, obj in zip(SOURCES, objs):
+            subprocess.run([compiler, *FLAGS, "-c", str(source), "-o", obj],
+                           check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([compiler, *LINK_FLAGS, *objs, "-o", tmp],
+                       check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, *objs):
             if os.path.exists(path):
                 os.unlink(path)
     return out
@@ -111,10 +114,12 @@ def load() -> ctypes.CDLL | None:
             "rotary": [ptr] * 4 + [i64] * 4,
             "reshape_and_cache": [ptr] * 5 + [i64] * 4,
         }
+        signatures["gguf_linear"] = [ptr] * 3 + [i64] * 5
         for name, args in signatures.items():
             for suffix in ("f32", "bf16"):
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = args, None
+        lib.gguf_dequantize.argtypes, lib.gguf_dequantize.restype = [ptr] * 2 + [i64] * 3, None
         _lib = lib
         return _lib
 
@@ -265,4 +270,62 @@ def paged_decode_attention(
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
        seq_lens.data_ptr(), qsl, out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
        block_size, block_table.shape[1], scale)
+    return out
+
+
+# GGML type id -> bytes per block of 32 weights (ggml-common.h): the formats gguf_linear reads.
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+GGUF_BLOCK_SIZE = 32
+
+
+def _check_gguf(qweight: torch.Tensor, qtype: int, in_features: int) -> None:
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGML type {qtype} is not one of Q4_0, Q4_1, Q8_0 (2, 3, 8)")
+    row_bytes = in_features // GGUF_BLOCK_SIZE * GGUF_BLOCK_BYTES[qtype]
+    if (in_features % GGUF_BLOCK_SIZE or qweight.dtype != torch.uint8 or qweight.dim() != 2
+            or qweight.shape[1] != row_bytes or not qweight.is_contiguous()):
+        raise ValueError(
+            f"qweight must be contiguous uint8 [out, {row_bytes}] for {in_features} inputs "
+            f"of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+                generic: bool = False) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` in GGUF's quantized blocks, never de-quantized in memory.
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
+        qweight: ``[N, K / 32 * block_bytes]`` uint8, contiguous: the tensor's rows as the GGUF
+            file stores them (``GGUF_BLOCK_BYTES``).
+        qtype: GGML type id: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0).
+        generic: use the portable loops instead of the AVX-512 ones (tests compare them).
+
+    Returns:
+        ``[..., N]`` in x's dtype: float32 products of the exactly de-quantized weights.
+
+    Raises:
+        ValueError: unsupported type or dtype, or shapes that do not match.
+        RuntimeError: the library could not be built.
+    Source: block formats from llama.cpp's ``ggml-common.h``; kernel split after vLLM's
+    ``csrc/quantization/gguf/``.
+    """
+    fn = _kernel("gguf_linear", x.dtype)
+    k = x.shape[-1]
+    _check_gguf(qweight, qtype, k)
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty((rows.shape[0], qweight.shape[0]), dtype=x.dtype)
+    fn(rows.data_ptr(), qweight.data_ptr(), out.data_ptr(), rows.shape[0], qweight.shape[0], k,
+       qtype, int(generic))
+    return out.view(*x.shape[:-1], qweight.shape[0])
+
+
+def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """The weights of ``qweight`` (see ``gguf_linear``) as float32 ``[N, in_features]``."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"cpu kernels unavailable: {_error}")
+    _check_gguf(qweight, qtype, in_features)
+    out = torch.empty((qweight.shape[0], in_features), dtype=torch.float32)
+    lib.gguf_dequantize(qweight.data_ptr(), out.data_ptr(), qweight.shape[0], in_features, qtype)
     return out

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import time
 
 import torch
 
-from gpu import cpu_gemm
+from gpu import cpu_gemm, gguf_linear
 from gpu import model_runner as model_runner_module
 from gpu.attention import CpuAttentionBackend, TorchAttentionBackend
 from gpu.batch import ScheduledRequest, SchedulerOutput
@@ -53,7 +54,7 @@ def _timed_parts(totals: dict[str, float]):
     """Wrap the step's parts with wall-clock timers, adding seconds into ``totals``."""
     patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding")]
     patches += [(model_runner_module, "sample"), (cpu_gemm.PackedLinear, "forward"),
-                (torch.nn.Linear, "forward")]
+                (torch.nn.Linear, "forward"), (gguf_linear.GGUFLinear, "forward")]
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
     # The backends' kernels are static attributes bound at class creation: patch them there.
     kernels = [(backend, name, backend.__dict__[name])
@@ -91,13 +92,15 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table")
     p.add_argument("--breakdown", action="store_true",
                    help="split the step into linear layers, our kernels, KV writes, sampling")
+    p.add_argument("--quantization", default="gguf,none",
+                   help="comma list: gguf (the file's quantized blocks) and/or none")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: the server's default, see cpu_threads)")
     args = p.parse_args()
     if args.threads:  # read by ModelRunner.load, which sets torch's thread count
         os.environ["PAGEDSERVE_CPU_THREADS"] = str(args.threads)
-    for dtype in args.dtype.split(","):
-        runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048),
+    for dtype, quant in itertools.product(args.dtype.split(","), args.quantization.split(",")):
+        runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048, quantization=quant),
                              CacheConfig(num_gpu_blocks_override=2400))
         runner.load()
         for batch in [int(b) for b in args.batch.split(",")]:
@@ -114,7 +117,7 @@ def main() -> None:
                 cpu.append(time.process_time() - c)
             # CPU time is the steadier figure on a shared machine (exact with --threads 1).
             w, c = statistics.median(wall), statistics.median(cpu)
-            print(f"dtype={dtype} batch={batch} decode step median wall {w * 1e3:.1f} ms "
+            print(f"dtype={dtype} quantization={quant} batch={batch} decode step median wall {w * 1e3:.1f} ms "
                   f"({batch / w:.0f} tok/s), cpu {c * 1e3:.1f} ms ({batch / c:.0f} tok/s)",
                   flush=True)
             if args.profile:

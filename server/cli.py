@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype; auto = bfloat16 on CUDA and on "
                         "CPUs with AMX/AVX512-BF16, else float32")
+    s.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                   help="gguf: keep a .gguf model's Q4_0/Q4_1/Q8_0 weights quantized and "
+                        "multiply them in place (CPU); none: de-quantize at load; default: gguf "
+                        "for a .gguf model on the CPU, else none")
     s.add_argument("--seed", type=int, default=0, help="global random seed")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
@@ -126,7 +130,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model or args.model_tag, dtype=args.dtype,
                           max_model_len=args.max_model_len, seed=args.seed, device=args.device,
-                          enforce_eager=args.enforce_eager),
+                          enforce_eager=args.enforce_eager, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           gpu_memory_utilization=args.gpu_memory_utilization,

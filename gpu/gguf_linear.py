@@ -1,0 +1,149 @@
+"""Linear layers that keep a GGUF file's quantized weights (``--quantization gguf``).
+
+A CPU decode step reads every weight once, so its speed is the bytes it reads: SmolLM2-135M's
+Q4_1/Q8_0 file is 96 MB per step where the de-quantized bfloat16 weights are 270 MB. Layers
+whose GGUF tensors are Q4_0, Q4_1 or Q8_0 keep the file's blocks and multiply through
+``kernels.cpu_ops.gguf_linear``; other types (K-quants, F16) stay de-quantized as loaded. The
+embedding lookup keeps its de-quantized table (one row per token), while a tied ``lm_head``
+multiplies by the quantized ``token_embd`` (a fifth of the model's bytes).
+
+vLLM keeps GGUF weights quantized the same way (``vllm/model_executor/layers/quantization/
+gguf.py``); the tensor names and llama.cpp's q/k row permutation are those of transformers'
+``integrations/ggml.py`` and llama.cpp's ``convert_hf_to_gguf.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from kernels import cpu_ops
+
+log = structlog.get_logger(__name__)
+
+# GGUF tensor name (after ``blk.{i}.``) -> our module path (after ``model.layers.{i}.``), and
+# the fused module each belongs to with its position in the fusion.
+_LAYER_TENSORS = {
+    "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1),
+    "attn_v": ("self_attn.qkv_proj", 2), "attn_output": ("self_attn.o_proj", 0),
+    "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_down": ("mlp.down_proj", 0),
+}
+_PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
+# llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+def supported(device: torch.device) -> bool:
+    """Quantized linears run on the CPU through our C++ kernels."""
+    return device.type == "cpu" and cpu_ops.load() is not None
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T + b`` reading ``W`` as GGUF blocks for small batches.
+
+    Up to ``max_rows`` rows (decode steps of a few sequences, where reading the weights is the
+    cost) go through ``cpu_ops.gguf_linear``; in a bfloat16 model more rows go to ``dense``, the
+    de-quantized layer, because there the multiply-adds are the cost and oneDNN's bfloat16
+    kernels do them 3-4x faster than our float32 ones (SmolLM2's shapes at 8-512 rows).
+
+    Args:
+        dense: the loaded ``nn.Linear`` (its bias is used on both paths).
+        qweight: ``[out, in / 32 * block_bytes]`` uint8, rows in transformers' order.
+        qtype: GGML type id (``cpu_ops.GGUF_BLOCK_BYTES``).
+
+    Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype; both paths
+    multiply the same de-quantized values (float32 here, the model's dtype in ``dense``).
+    """
+
+    def __init__(self, dense: nn.Linear, qweight: torch.Tensor, qtype: int):
+        super().__init__()
+        self.dense = dense
+        # Against float32 ``F.linear`` our kernel won at every size measured (1-512 rows: 3x
+        # at 8, 1.05x at 512): a float32 model never takes the dense path.
+        self.max_rows = sys.maxsize if dense.weight.dtype == torch.float32 else 4
+        self.qweight, self.qtype = qweight.contiguous(), qtype
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > self.max_rows * self.in_features:
+            return self.dense(x)
+        y = cpu_ops.gguf_linear(x, self.qweight, self.qtype)
+        bias = getattr(self.dense, "bias", None)
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return f"qtype={self.qtype}, max_rows={self.max_rows}"
+
+
+def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleave: GGUF row ``(h, i, j)`` of ``(n_head, D/2, 2)`` is
+    transformers' row ``(h, j, i)`` of ``(n_head, 2, D/2)``."""
+    n = rows.shape[0]
+    return (rows.reshape(n_head, n // n_head // 2, 2, -1).transpose(1, 2)
+            .reshape(n, -1).contiguous())
+
+
+def _read(path: Path):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    return arch, {t.name: t for t in reader.tensors}
+
+
+def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig) -> int:
+    """Swap ``model``'s linears for ``GGUFLinear``s holding ``gguf_file``'s blocks, in place.
+
+    Every part of a fused module (q/k/v, gate/up) must have the same supported type, else the
+    module keeps its de-quantized weights. Returns how many modules were swapped.
+    """
+    arch, tensors = _read(gguf_file)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    modules = dict(model.named_modules())
+    groups: dict[str, list] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+            target, pos = _LAYER_TENSORS[parts[2]]
+            groups.setdefault(f"model.layers.{parts[1]}.{target}", [None] * _PARTS.get(
+                target, 1))[pos] = t
+    lm_head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if lm_head is not None and "lm_head" in modules:
+        groups["lm_head"] = [lm_head]
+
+    swapped, kept = 0, []
+    for target, parts in groups.items():
+        qtypes = {int(t.tensor_type) for t in parts if t is not None}
+        module = modules.get(target)
+        if (None in parts or len(qtypes) != 1 or not isinstance(module, nn.Linear)
+                or qtypes & cpu_ops.GGUF_BLOCK_BYTES.keys() != qtypes):
+            kept.append(target)
+            continue
+        rows = []
+        for t in parts:
+            data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # copy: the file is mmapped
+            short = t.name.split(".")[-2]
+            if arch in _PERMUTED_ARCHS and short in ("attn_q", "attn_k"):
+                data = _unpermute(data, heads if short == "attn_q" else kv_heads)
+            rows.append(data)
+        qweight = torch.cat(rows) if len(rows) > 1 else rows[0]
+        if qweight.shape[0] != module.out_features:
+            kept.append(target)
+            continue
+        parent, _, leaf = target.rpartition(".")
+        setattr(modules[parent] if parent else model, leaf,
+                GGUFLinear(module, qweight, qtypes.pop()))
+        swapped += 1
+    if kept:
+        log.info("gguf_linears_dequantized", modules=len(kept), first=kept[0],
+                 reason="type not Q4_0/Q4_1/Q8_0 or mixed within a fused module")
+    return swapped

@@ -1,0 +1,61 @@
+"""The GGUF block kernels: de-quantization bit-equal to gguf-py's (what transformers loads), and
+``gguf_linear`` equal to a float64 product over those weights on every loop (the register path
+up to 8 rows, the panel path above, the portable loops), in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from kernels import cpu_ops
+
+TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def _quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``[n, k]`` weights quantized by gguf-py: (blocks uint8, their float32 values)."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    blocks = quants.quantize(w, qtype)
+    return torch.from_numpy(blocks), torch.from_numpy(quants.dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_is_bit_equal_to_gguf_py(qtype):
+    blocks, values = _quantized(qtype, 33, 256)
+    assert blocks.shape[1] == 256 // 32 * cpu_ops.GGUF_BLOCK_BYTES[int(qtype)]
+    assert torch.equal(cpu_ops.gguf_dequantize(blocks, int(qtype), 256), values)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 70])  # 70: two 64-row chunks
+@pytest.mark.parametrize("generic", [False, True])
+def test_linear_equals_float64_product(qtype, rows, generic):
+    n, k = 37, 320  # n not a multiple of the 4-row panel; k of 16-wide vectors and blocks
+    blocks, values = _quantized(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = x.double() @ values.double().T
+    got = cpu_ops.gguf_linear(x, blocks, int(qtype), generic=generic)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    # bfloat16 in and out: the same float32 products of the rounded input, rounded once.
+    xb = x.bfloat16()
+    got_b = cpu_ops.gguf_linear(xb, blocks, int(qtype), generic=generic)
+    want_b = (xb.double() @ values.double().T).bfloat16()
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.float(), want_b.float(), rtol=8e-3, atol=1e-2)
+
+
+def test_linear_keeps_leading_dims_and_rejects_bad_input():
+    blocks, values = _quantized(GGMLQuantizationType.Q4_1, 8, 64)
+    x = torch.randn(2, 3, 64)
+    out = cpu_ops.gguf_linear(x, blocks, 3)
+    assert out.shape == (2, 3, 8)
+    torch.testing.assert_close(out, x @ values.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not one of"):
+        cpu_ops.gguf_linear(x, blocks, 12)  # Q4_K
+    with pytest.raises(ValueError, match="qweight must be"):
+        cpu_ops.gguf_linear(torch.randn(1, 96), blocks, 3)  # rows are 64 weights, not 96
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        cpu_ops.gguf_linear(x.half(), blocks, 3)
