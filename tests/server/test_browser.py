@@ -146,7 +146,7 @@ async def _idle(client: httpx.AsyncClient, headers=None) -> dict | None:
 
 
 async def long_stream(client: httpx.AsyncClient, i: int) -> None:
-    payload = {"prompt": f"{i} little pigs", "max_tokens": 1800, "ignore_eos": True,
+    payload = {"prompt": f"{i} little pigs", "max_tokens": 8000, "ignore_eos": True,
                "stream": True}
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         async for _ in r.aiter_lines():
@@ -158,8 +158,9 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
 
     key = {"Authorization": "Bearer sk-admin"}
     serving = ServingConfig(TINY_NAME, admin_key="sk-admin")
-    async with serve(tiny_model_dir, serving=serving, max_num_seqs=4, max_model_len=2048,
-                            num_blocks=1024) as client:
+    # 8,000-token answers: the first four still run (and four wait) seconds later on a fast CPU.
+    async with serve(tiny_model_dir, serving=serving, max_num_seqs=4, max_model_len=8192,
+                     num_blocks=2200) as client:
         base = str(client.base_url).rstrip("/")
         page = await browser.new_page(viewport={"width": 1280, "height": 1100})
         seen = watch_requests(page, base)
