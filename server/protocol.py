@@ -28,6 +28,13 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # As OpenAI: only an assistant turn may come without content.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
     def text(self) -> str:
         """All text parts, in order."""
         if self.content is None:

@@ -171,6 +171,7 @@ async def test_models_and_health(client):
     [
         ({"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model"),
         ({"model": "tiny-llama"}, 400, "messages"),
+        ({"messages": [{"role": "user"}]}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, 400, "temperature"),
         ({"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages"),
