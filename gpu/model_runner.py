@@ -126,6 +126,9 @@ class ModelRunner:
         start = time.perf_counter()
         mc, cc = self.model_config, self.cache_config
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device here "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
         self.dtype = pick_dtype(mc.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads())

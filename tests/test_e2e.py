@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from server.launch import start_server_process
 from tests.conftest import chat_prompt_ids, hf_greedy
@@ -118,6 +119,15 @@ def test_unreachable_hub_model_is_a_one_line_error(tmp_path):
     assert err[-1].startswith("pagedserve: error: model 'no-such-org/no-such-model' is not in "
                               "the local Hugging Face cache")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_one_line_error():
+    r = subprocess.run([PAGEDSERVE, "serve", "--device", "cuda", "--port", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "pagedserve: error: --device cuda, but torch sees no CUDA device here")
 
 
 def test_help_lists_flags_with_defaults():
