@@ -320,13 +320,15 @@ class AsyncEngine:
         self.scheduler.send(AbortAll("server shutting down"))
         await self.get_stats()  # handled after the AbortAll: the requests are gone
     def effective_config(self) -> dict[str, Any]:
-        """The settings in force: the flags as given, with what loading resolved (``auto``
-        dtype, default ``max_model_len``, the KV pool's size) filled in."""
+        """The settings in force: the flags as given, with what loading resolved (the model
+        file, ``auto`` dtype and quantization, default ``max_model_len``, the KV pool's blocks
+        and bytes) filled in."""
         config = asdict(self.config)
-        config["model"].update(dtype=self.info.dtype, device=self.info.device,
-                               max_model_len=self.info.max_model_len,
-                               quantization=self.info.quantization or "none")
-        config["cache"]["num_blocks"] = self.info.num_blocks
+        config["model"].update(model=self.info.source, dtype=self.info.dtype,
+                               device=self.info.device, max_model_len=self.info.max_model_len,
+                               quantization=self.info.quantization)
+        config["cache"].update(num_blocks=self.info.num_blocks,
+                               kv_cache_memory_bytes=self.info.kv_cache_bytes)
         return config
 
     async def shutdown(self) -> None:

@@ -99,7 +99,9 @@ class ModelInfo:
     load_seconds: float
     vocab_size: int
     attention_backend: str = "torch"
-    quantization: str | None = None
+    quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
+    source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
+    kv_cache_bytes: int = 0  # the K and V tensors allocated
 
 
 class ModelRunner:
@@ -187,7 +189,9 @@ class ModelRunner:
             load_seconds=time.perf_counter() - start,
             vocab_size=self.hf_config.vocab_size,
             attention_backend=self.attn_backend.name,
-            quantization=self.quantization,
+            quantization=self.quantization or "none",
+            source=str(resolved.gguf_file or resolved.path),
+            kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv),
         )
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:

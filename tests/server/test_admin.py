@@ -152,6 +152,11 @@ async def test_model_and_config(client):
                                 "speculative": None}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
+    # The tiny model is a Hugging Face folder: nothing to keep quantized.
+    assert cfg["model"]["quantization"] == s["model"]["quantization"] == "none"
+    assert cfg["model"]["model"] == s["model"]["path"]
+    # 2 layers x (K, V) x 1024 blocks x 16 tokens x 2 kv heads x 16 dims x 4 bytes
+    assert cfg["cache"]["kv_cache_memory_bytes"] == 2 * 2 * 1024 * BLOCK * 2 * 16 * 4
     kv = s["kv_cache"]
     assert (kv["prefix_cache_queries"], kv["prefix_cache_hits"], kv["prefix_cache_hit_rate"]) == (
         0, 0, 0.0) or kv["prefix_cache_queries"] >= kv["prefix_cache_hits"]
