@@ -155,7 +155,8 @@ class ModelRunner:
         loader.load_weights(model, resolved.path)
         self.quantization = pick_quantization(mc.quantization, resolved, self.device)
         if self.quantization == "gguf":
-            swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config)
+            swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
+                                                 cache_dir=resolved.path)
             log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             m.qweight.numel() for m in model.modules() if isinstance(m, gguf_linear.GGUFLinear))

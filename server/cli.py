@@ -32,7 +32,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.replace("``", "`"))
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser(
         "serve", help="serve a model over the OpenAI API",
@@ -48,12 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name clients send as `model` (default: HuggingFaceTB/SmolLM2-135M-"
                         "Instruct for the embedded model, else the model as given)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype; auto = bfloat16 on CUDA and on "
+                   help="activations, KV cache and weights not kept quantized (see "
+                        "--quantization); auto = bfloat16 on CUDA and on "
                         "CPUs with AMX/AVX512-BF16, else float32")
     s.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
                    help="gguf: keep a .gguf model's Q4_0/Q4_1/Q8_0 weights quantized and "
-                        "multiply them in place (CPU); none: de-quantize at load; default: gguf "
-                        "for a .gguf model on the CPU, else none")
+                        "multiply them in place, in float32 (CPU only; refused elsewhere and "
+                        "for non-GGUF models); none: de-quantize to --dtype at load; default: "
+                        "gguf for a .gguf model on the CPU, else none")
     s.add_argument("--seed", type=int, default=0, help="global random seed")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")

@@ -81,3 +81,14 @@ def test_quantization_flag_resolution(default_model_dir, tiny_model_dir):
         pick_quantization("gguf", gguf, torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown quantization"):
         pick_quantization("awq", gguf, CPU)
+
+
+def test_blocks_are_cached_beside_the_converted_model(default_model_dir, tmp_path):
+    config = loader.load_config(default_model_dir)
+    gguf = loader.embedded_gguf_path()
+    fresh, kept = gguf_linear.load_blocks(gguf, config, tmp_path)
+    assert (tmp_path / gguf_linear.BLOCKS_CACHE).exists() and kept == []
+    cached, kept_again = gguf_linear.load_blocks(gguf, config, tmp_path)
+    assert kept_again == [] and cached.keys() == fresh.keys() and len(cached) == 121
+    for name, (qtype, rows) in fresh.items():
+        assert cached[name][0] == qtype and torch.equal(cached[name][1], rows), name
