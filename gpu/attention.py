@@ -78,6 +78,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     decode = staticmethod(reference.paged_decode_attention)
+    prefill = staticmethod(reference.paged_prefill_attention)
     reshape_and_cache = staticmethod(reference.reshape_and_cache)
     multi_query_decode = False  # decodes with drafts are prefill chunks here
 
@@ -111,7 +112,7 @@ class TorchAttentionBackend:
         if nd:
             out[:nt] = self.decode(query[:nt], key_cache, value_cache, meta.block_table[:nd],
                                    meta.seq_lens[:nd], scale, **extra)
-        out[nt:] = reference.paged_prefill_attention(
+        out[nt:] = self.prefill(
             query[nt:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
             meta.query_start_loc[nd:] - nt, scale,
         )

@@ -59,14 +59,19 @@ def _timed_parts(totals: dict[str, float]):
     # The backends' kernels are static attributes bound at class creation: patch them there.
     kernels = [(backend, name, backend.__dict__[name])
                for backend in (TorchAttentionBackend, CpuAttentionBackend)
-               for name in ("decode", "reshape_and_cache")]
+               for name in ("decode", "reshape_and_cache", "prefill") if name in backend.__dict__]
+    active: set[str] = set()
 
     def timed(label, fn):
         def wrapper(*args, **kwargs):
+            if label in active:  # a GGUFLinear calling its dense layer: counted once
+                return fn(*args, **kwargs)
+            active.add(label)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                active.discard(label)
                 totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
         return wrapper
 
@@ -75,7 +80,7 @@ def _timed_parts(totals: dict[str, float]):
             label = "linear" if name == "forward" else name
             setattr(obj, name, timed(label, fn))
         for backend, name, fn in kernels:
-            label = "decode_attention" if name == "decode" else name
+            label = {"decode": "decode_attention", "prefill": "prefill_attention"}.get(name, name)
             setattr(backend, name, staticmethod(timed(label, fn.__func__)))
         yield
     finally:
@@ -92,6 +97,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table")
     p.add_argument("--breakdown", action="store_true",
                    help="split the step into linear layers, our kernels, KV writes, sampling")
+    p.add_argument("--prefill", action="store_true",
+                   help="also time a step prefilling --batch prompts of --context tokens")
     p.add_argument("--quantization", default="gguf,none",
                    help="comma list: gguf (the file's quantized blocks) and/or none")
     p.add_argument("--threads", type=int, default=0,
@@ -126,18 +133,46 @@ def main() -> None:
                         _step(runner, reqs, prefill=False)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
             if args.breakdown:
-                totals: dict[str, float] = {}
-                start = time.perf_counter()
-                with _timed_parts(totals):
-                    for _ in range(args.steps):
-                        _step(runner, reqs, prefill=False)
-                step = (time.perf_counter() - start) / args.steps
-                totals["other (python, embedding, views)"] = step * args.steps - sum(
-                    totals.values())
-                for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
-                    ms = seconds / args.steps * 1e3
-                    print(f"  {label:34s} {ms:7.2f} ms  {ms / (step * 1e3):5.1%}")
+                _print_breakdown(lambda: _step(runner, reqs, prefill=False), args.steps)
+            if args.prefill:
+                _time_prefill(runner, batch, args)
 
+
+def _print_breakdown(step_fn, steps: int) -> None:
+    totals: dict[str, float] = {}
+    start = time.perf_counter()
+    with _timed_parts(totals):
+        for _ in range(steps):
+            step_fn()
+    step = (time.perf_counter() - start) / steps
+    totals["other (python, embedding, views)"] = step * steps - sum(totals.values())
+    for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+        ms = seconds / steps * 1e3
+        print(f"  {label:34s} {ms:7.2f} ms  {ms / (step * 1e3):5.1%}")
+
+
+def _time_prefill(runner: ModelRunner, batch: int, args) -> None:
+    """A step prefilling ``batch`` fresh prompts of ``--context`` tokens (KV blocks reused)."""
+    runs = iter(range(1_000_000))
+
+    def step() -> None:
+        reqs = _requests(batch, args.context, runner.block_size)
+        run = next(runs)
+        for r in reqs:
+            r["id"] = f"{r['id']}-p{run}"
+        _step(runner, reqs, prefill=True)
+
+    step()
+    wall = []
+    for _ in range(max(3, args.steps // 4)):
+        t = time.perf_counter()
+        step()
+        wall.append(time.perf_counter() - t)
+    w = statistics.median(wall)
+    print(f"  prefill {batch} x {args.context} tokens: median {w * 1e3:.0f} ms "
+          f"({batch * args.context / w:.0f} tok/s)", flush=True)
+    if args.breakdown:
+        _print_breakdown(step, max(3, args.steps // 4))
 
 if __name__ == "__main__":
     main()
