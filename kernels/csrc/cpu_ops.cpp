@@ -190,6 +190,124 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   }
 }
 
+#if defined(__AVX512F__)
+// e^x for 16 lanes, x clamped to [-87, 88]: Cephes' expf polynomial, scaled by 2^n with
+// vscalefps (about 1 ulp).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Causal attention of prefill chunks over the paged cache, flash-attention style (Dao et al.,
+// "FlashAttention", 2022), with 16 query rows (token x head of one GQA group) in a register's
+// lanes: scores of a key for 16 rows are one vector, so the online softmax (running max, sum,
+// rescale) is all lane-wise, with no horizontal reductions. One task per (sequence, kv head, 16
+// rows); keys 16 at a time, converted to float32 once per task. D = head_size.
+template <int64_t D, typename T>
+void prefill_avx512(const T* query, int64_t q_row_stride, const T* key_cache,
+                    const T* value_cache, const int32_t* block_table, const int32_t* seq_lens,
+                    const int32_t* query_start_loc, T* out, int64_t num_seqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t block_size, int64_t block_table_stride,
+                    float scale) {
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  struct Task { int64_t seq, kvh, r0; };
+  std::vector<Task> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t rows = (query_start_loc[seq + 1] - query_start_loc[seq]) * group;
+    for (int64_t r0 = (rows - 1) / 16 * 16; r0 >= 0; r0 -= 16)  // the longest contexts first
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) tasks.push_back({seq, kvh, r0});
+  }
+#pragma omp parallel
+  {
+    alignas(64) float qt[D * 16];   // qt[d * 16 + lane]: the lane's row of q, scaled, transposed
+    alignas(64) float acc[D * 16];  // acc[d * 16 + lane]
+    alignas(64) float kf[16 * D];   // the chunk's keys, float32, one row per key
+    alignas(64) float vf[16 * D];
+#pragma omp for schedule(dynamic, 1)
+    for (size_t task = 0; task < tasks.size(); ++task) {
+      const auto [seq, kvh, r0] = tasks[task];
+      const int64_t q_begin = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_begin;
+      const int64_t rows = std::min<int64_t>(16, q_len * group - r0);
+      const int64_t ctx = seq_lens[seq] - q_len;  // tokens before the chunk
+      const int32_t* blocks = block_table + seq * block_table_stride;
+      alignas(64) int32_t pos[16];  // each lane's query position; padding lanes copy the last
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t r = r0 + std::min(lane, rows - 1);
+        pos[lane] = static_cast<int32_t>(ctx + r / group);
+        const T* src = query + (q_begin + r / group) * q_row_stride + (kvh * group + r % group) * D;
+        for (int64_t d = 0; d < D; ++d) qt[d * 16 + lane] = load(src[d]) * scale;
+      }
+      const __m512i posv = _mm512_load_si512(pos);
+      std::fill(acc, acc + D * 16, 0.f);
+      __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();  // finite: -ffast-math
+      const int64_t kv_end = pos[15] + 1;
+      for (int64_t t0 = 0; t0 < kv_end; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, kv_end - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = t0 + i;
+          const int64_t off = blocks[t / block_size] * block_stride +
+                              (t % block_size) * token_stride + kvh * D;
+          for (int64_t j = 0; j < D; j += 16) {
+            _mm512_store_ps(kf + i * D + j, load16(key_cache + off + j));
+            _mm512_store_ps(vf + i * D + j, load16(value_cache + off + j));
+          }
+        }
+        // A short last chunk: rows past it must be numbers (0 * NaN would poison the sums).
+        std::fill(kf + n * D, kf + 16 * D, 0.f);
+        std::fill(vf + n * D, vf + 16 * D, 0.f);
+        __m512 sc[16];
+        for (int i = 0; i < 16; ++i) sc[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 qd = _mm512_load_ps(qt + d * 16);
+          for (int i = 0; i < 16; ++i)
+            sc[i] = _mm512_fmadd_ps(_mm512_set1_ps(kf[i * D + d]), qd, sc[i]);
+        }
+        __mmask16 live[16];
+        __m512 mx = m;
+        for (int i = 0; i < 16; ++i) {  // key t0 + i is live for lanes at or after it
+          live[i] = i < n ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32(static_cast<int32_t>(t0 + i)),
+                                                  _MM_CMPINT_NLT)
+                          : static_cast<__mmask16>(0);
+          mx = _mm512_mask_max_ps(mx, live[i], mx, sc[i]);
+        }
+        const __m512 corr = exp16(_mm512_sub_ps(m, mx));
+        m = mx;
+        l = _mm512_mul_ps(l, corr);
+        for (int i = 0; i < 16; ++i) {
+          sc[i] = _mm512_maskz_mov_ps(live[i], exp16(_mm512_sub_ps(sc[i], m)));
+          l = _mm512_add_ps(l, sc[i]);
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          __m512 a = _mm512_mul_ps(_mm512_load_ps(acc + d * 16), corr);
+          for (int i = 0; i < 16; ++i)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(vf[i * D + d]), sc[i], a);
+          _mm512_store_ps(acc + d * 16, a);
+        }
+      }
+      alignas(64) float inv[16];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+      for (int64_t lane = 0; lane < rows; ++lane) {
+        const int64_t r = r0 + lane;
+        T* dst = out + (q_begin + r / group) * num_heads * D + (kvh * group + r % group) * D;
+        for (int64_t d = 0; d < D; ++d) store(acc[d * 16 + lane] * inv[lane], dst + d);
+      }
+    }
+  }
+}
+#endif
+
 // key/value [T, token_elems] rows (row stride key_stride / value_stride elements) copied to
 // their cache slots, as vLLM's reshape_and_cache; slot -1 (padding) is skipped.
 template <typename T>
@@ -301,6 +419,44 @@ void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const ui
                                  uint16_t* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
                                  int64_t bs, int64_t bts, float scale) {
   decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+}
+
+// query rows [T, >= num_heads * head_size] with row stride q_row_stride; out [T, num_heads,
+// head_size] contiguous; the rest as paged_decode_attention with qsl required. Returns 0, or
+// 1 when head_size is not 64 or 128 or the CPU lacks AVX-512 (the caller falls back).
+#if defined(__AVX512F__)
+#define PAGEDSERVE_PREFILL(SUFFIX, T)                                                           \
+  int paged_prefill_attention_##SUFFIX(const T* q, int64_t q_row_stride, const T* kc,          \
+                                       const T* vc, const int32_t* bt, const int32_t* sl,      \
+                                       const int32_t* qsl, T* out, int64_t n, int64_t h,       \
+                                       int64_t hkv, int64_t d, int64_t bs, int64_t bts,        \
+                                       float scale) {                                          \
+    if (d == 64)                                                                                \
+      prefill_avx512<64>(q, q_row_stride, kc, vc, bt, sl, qsl, out, n, h, hkv, bs, bts, scale); \
+    else if (d == 128)                                                                          \
+      prefill_avx512<128>(q, q_row_stride, kc, vc, bt, sl, qsl, out, n, h, hkv, bs, bts, scale); \
+    else                                                                                        \
+      return 1;                                                                                 \
+    return 0;                                                                                   \
+  }
+#else
+#define PAGEDSERVE_PREFILL(SUFFIX, T)                                                           \
+  int paged_prefill_attention_##SUFFIX(const T*, int64_t, const T*, const T*, const int32_t*,  \
+                                       const int32_t*, const int32_t*, T*, int64_t, int64_t,   \
+                                       int64_t, int64_t, int64_t, int64_t, float) {            \
+    return 1;                                                                                   \
+  }
+#endif
+PAGEDSERVE_PREFILL(f32, float)
+PAGEDSERVE_PREFILL(bf16, uint16_t)
+
+// Whether the AVX-512 loops were compiled in (-march=native on an AVX-512 CPU).
+int cpu_ops_avx512() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 #define PAGEDSERVE_ELEMENTWISE(SUFFIX, T)                                                       \
