@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #endif
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,12 +41,13 @@ inline void store(float x, uint16_t* dst) {  // float32 -> bfloat16, round to ne
   *dst = static_cast<uint16_t>(u >> 16);
 }
 
-// Each row of rows x len scores becomes exp(s - max(row)) in place; ``finish`` divides by the
-// row sums.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+// Each row of rows x len scores becomes exp(s - max(row)) in place (the maxima into ``maxes``
+// if given); ``finish`` divides by the row sums.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* maxes = nullptr) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores + r * len;
     const float m = *std::max_element(sr, sr + len);
+    if (maxes) maxes[r] = m;
 #pragma omp simd
     for (int64_t t = 0; t < len; ++t)
       // Clamped so exp stays a normal float: subnormal results take slow microcode paths
@@ -79,12 +82,12 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
 // K/V row is converted once into registers per kv head, not stored and reloaded.
 template <typename T>
 void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
-                       const int32_t* blocks, int64_t len, int64_t num_heads, int64_t group,
-                       int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                       float* scores, float* acc) {
+                       const int32_t* blocks, int64_t t_begin, int64_t t_end, int64_t num_heads,
+                       int64_t group, int64_t num_kv_heads, int64_t head_size,
+                       int64_t block_size, float* scores, float* acc, float* maxes) {
   const int64_t nv = head_size / 16, token_stride = num_kv_heads * head_size;
-  const int64_t block_stride = block_size * token_stride;
-  for (int64_t t = 0; t < len; ++t) {
+  const int64_t block_stride = block_size * token_stride, len = t_end - t_begin;
+  for (int64_t t = t_begin; t < t_end; ++t) {
     const T* k = key_cache + blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
       const T* kh = k + kvh * head_size;
@@ -94,13 +97,13 @@ void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(kh));
         for (int64_t j = 1; j < nv; ++j)
           a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), load16(kh + 16 * j), a);
-        scores[h * len + t] = _mm512_reduce_add_ps(a);
+        scores[h * len + t - t_begin] = _mm512_reduce_add_ps(a);
       }
     }
   }
-  softmax_rows(scores, num_heads, len);
+  softmax_rows(scores, num_heads, len, maxes);
   std::fill(acc, acc + num_heads * head_size, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
     const T* v = value_cache + blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
       for (int64_t j = 0; j < nv; ++j) {
@@ -108,7 +111,7 @@ void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kvh * group + g;
           float* a = acc + h * head_size + 16 * j;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + t]), vj,
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * len + t - t_begin]), vj,
                                               _mm512_loadu_ps(a)));
         }
       }
@@ -116,6 +119,59 @@ void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
   }
 }
 #endif
+
+// Scores, softmax and p.V of one query over tokens t_begin..t_end-1 of its sequence, for all
+// heads: acc[h] = sum_t p[h][t] v_t with p = exp(s - maxes[h]) left in scores (row length
+// t_end - t_begin), unnormalised.
+template <typename T>
+void attend(const float* q, const T* key_cache, const T* value_cache, const int32_t* blocks,
+            int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t num_kv_heads,
+            int64_t head_size, int64_t block_size, float* row, float* scores, float* acc,
+            float* maxes) {
+  const int64_t group = num_heads / num_kv_heads, len = t_end - t_begin;
+  const int64_t token_stride = num_kv_heads * head_size;  // one token's K (or V), all kv heads
+  const int64_t block_stride = block_size * token_stride;
+#if defined(__AVX512F__)
+  if (head_size % 16 == 0) {
+    decode_seq_avx512(q, key_cache, value_cache, blocks, t_begin, t_end, num_heads, group,
+                      num_kv_heads, head_size, block_size, scores, acc, maxes);
+    return;
+  }
+#endif
+  // Pass 1: scores[h][t] = q_h . k_t (scale folded into q); head h reads kv head h / group.
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const T* k = key_cache + blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < token_stride; ++i) row[i] = load(k[i]);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* qh = q + h * head_size;
+      const float* kh = row + (h / group) * head_size;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < head_size; ++d) s += qh[d] * kh[d];
+      scores[h * len + t - t_begin] = s;
+    }
+  }
+  softmax_rows(scores, num_heads, len, maxes);
+  // Pass 2: acc[h] = sum_t p[h][t] * v_t.
+  std::fill(acc, acc + num_heads * head_size, 0.f);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const T* v = value_cache + blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < token_stride; ++i) row[i] = load(v[i]);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float p = scores[h * len + t - t_begin];
+      const float* vh = row + (h / group) * head_size;
+      float* ah = acc + h * head_size;
+#pragma omp simd
+      for (int64_t d = 0; d < head_size; ++d) ah[d] += p * vh[d];
+    }
+  }
+}
+
+// Below this many tokens per part a context is not split: the merge and the second task cost
+// more than the halved loop saves.
+constexpr int64_t kMinSplitTokens = 512;
 
 // query_start_loc (nullable: one query per sequence): sequence i has queries
 // qsl[i]..qsl[i+1]-1, its last ones (a decode with speculative drafts); query j of q_len sees
@@ -125,66 +181,88 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int64_t num_seqs,
             int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
             int64_t block_table_stride, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_size;  // one token's K (or V), all kv heads
-  const int64_t block_stride = block_size * token_stride;
+  const int64_t hd = num_heads * head_size;
   // One task per sequence: a token's K for every kv head is one contiguous row, so a block is
   // read front to back (prefetch-friendly) and each row serves all num_heads query heads.
+  // Fewer plain decodes than threads: long contexts are split in parts, one task each, merged
+  // after by their softmax maxima and sums (flash-decoding; vLLM's paged_attention_v2).
+  int64_t splits = 1;
+  const int64_t threads = omp_get_max_threads();
+  if (!query_start_loc && num_seqs < threads) {
+    const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
+    splits = std::clamp<int64_t>(longest / kMinSplitTokens, 1, threads / num_seqs);
+  }
+  // Per (sequence, part): maxima [H], sums [H], unnormalised acc [H, D].
+  std::vector<float> part_max, part_sum, part_acc;
+  if (splits > 1) {
+    part_max.resize(num_seqs * splits * num_heads);
+    part_sum.resize(num_seqs * splits * num_heads);
+    part_acc.resize(num_seqs * splits * hd);
+  }
 #pragma omp parallel
   {
-    std::vector<float> q(num_heads * head_size), row(token_stride), acc(num_heads * head_size);
+    std::vector<float> q(hd), row(num_kv_heads * head_size), acc(hd), maxes(num_heads);
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    for (int64_t task = 0; task < num_seqs * splits; ++task) {
+      const int64_t seq = task / splits, part = task % splits;
       const int64_t q_begin = query_start_loc ? query_start_loc[seq] : seq;
       const int64_t q_len = query_start_loc ? query_start_loc[seq + 1] - q_begin : 1;
       const int32_t* blocks = block_table + seq * block_table_stride;
       for (int64_t j = 0; j < q_len; ++j) {
-      const int64_t len = seq_lens[seq] - (q_len - 1 - j);
-      T* dst = out + (q_begin + j) * num_heads * head_size;
-      const T* q_src = query + (q_begin + j) * num_heads * head_size;
-      for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = load(q_src[i]) * scale;
-      scores.resize(num_heads * len);
-#if defined(__AVX512F__)
-      if (head_size % 16 == 0) {
-        decode_seq_avx512(q.data(), key_cache, value_cache, blocks, len, num_heads, group,
-                          num_kv_heads, head_size, block_size, scores.data(), acc.data());
-        finish(acc.data(), scores.data(), dst, num_heads, head_size, len);
-        continue;
-      }
-#endif
-      // Pass 1: scores[h][t] = q_h . k_t (scale folded into q); head h reads kv head h / group.
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = key_cache + blocks[t / block_size] * block_stride +
-                     (t % block_size) * token_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < token_stride; ++i) row[i] = load(k[i]);
+        const int64_t len = seq_lens[seq] - (q_len - 1 - j);
+        const int64_t chunk = (len + splits - 1) / splits;
+        const int64_t t_begin = std::min(len, part * chunk), t_end = std::min(len, t_begin + chunk);
+        const T* q_src = query + (q_begin + j) * hd;
+        for (int64_t i = 0; i < hd; ++i) q[i] = load(q_src[i]) * scale;
+        if (splits == 1) {
+          scores.resize(num_heads * len);
+          attend(q.data(), key_cache, value_cache, blocks, 0, len, num_heads, num_kv_heads,
+                 head_size, block_size, row.data(), scores.data(), acc.data(), maxes.data());
+          finish(acc.data(), scores.data(), out + (q_begin + j) * hd, num_heads, head_size, len);
+          continue;
+        }
+        float* pm = part_max.data() + task * num_heads;
+        float* ps = part_sum.data() + task * num_heads;
+        float* pa = part_acc.data() + task * hd;
+        if (t_begin == t_end) {  // an empty part: weight zero in the merge
+          std::fill(pm, pm + num_heads, -1e30f);
+          std::fill(ps, ps + num_heads, 0.f);
+          std::fill(pa, pa + hd, 0.f);
+          continue;
+        }
+        const int64_t n = t_end - t_begin;
+        scores.resize(num_heads * n);
+        attend(q.data(), key_cache, value_cache, blocks, t_begin, t_end, num_heads,
+               num_kv_heads, head_size, block_size, row.data(), scores.data(), pa, pm);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float* qh = q.data() + h * head_size;
-          const float* kh = row.data() + (h / group) * head_size;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_size; ++d) s += qh[d] * kh[d];
-          scores[h * len + t] = s;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) sum += scores[h * n + t];
+          ps[h] = sum;
         }
       }
-      softmax_rows(scores.data(), num_heads, len);
-      // Pass 2: acc[h] = sum_t p[h][t] * v_t.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = value_cache + blocks[t / block_size] * block_stride +
-                     (t % block_size) * token_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < token_stride; ++i) row[i] = load(v[i]);
+    }
+    if (splits > 1) {
+#pragma omp for schedule(static)
+      for (int64_t seq = 0; seq < num_seqs; ++seq) {
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float p = scores[h * len + t];
-          const float* vh = row.data() + (h / group) * head_size;
-          float* ah = acc.data() + h * head_size;
-#pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) ah[d] += p * vh[d];
+          float m = -1e30f;
+          for (int64_t part = 0; part < splits; ++part)
+            m = std::max(m, part_max[(seq * splits + part) * num_heads + h]);
+          float total = 0.f;
+          std::fill(acc.begin(), acc.begin() + head_size, 0.f);
+          for (int64_t part = 0; part < splits; ++part) {
+            const int64_t task = seq * splits + part;
+            const float w = std::exp(std::max(part_max[task * num_heads + h] - m, -80.f));
+            total += w * part_sum[task * num_heads + h];
+            const float* pa = part_acc.data() + task * hd + h * head_size;
+            for (int64_t d = 0; d < head_size; ++d) acc[d] += w * pa[d];
+          }
+          const float inv = 1.f / total;
+          T* dst = out + seq * hd + h * head_size;
+          for (int64_t d = 0; d < head_size; ++d) store(acc[d] * inv, dst + d);
         }
-      }
-      finish(acc.data(), scores.data(), dst, num_heads, head_size, len);
       }
     }
   }

@@ -50,6 +50,25 @@ def test_matches_reference(dtype, tol, heads, kv_heads, head_size, block_size):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 4, 8), (9, 3, 64)])
+@pytest.mark.parametrize("seq_lens", [[1500], [2100, 1030, 1]])
+def test_long_contexts_of_few_sequences_split_and_merge(dtype, tol, heads, kv_heads, head_size,
+                                                         seq_lens):
+    """Fewer sequences than threads: contexts of 1,024+ tokens are split across tasks and the
+    parts merged by their softmax maxima and sums (uneven and empty parts included)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)  # the kernel shares torch's OpenMP pool: 2+ parts each
+    try:
+        q, kc, vc, table, lens = _setup(seq_lens, heads, kv_heads, head_size, 16, dtype)
+        got = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    want = _reference(q, kc, vc, table, lens, 0.2)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_single_token_context_returns_its_value():
     """With one cached token the softmax is 1: the output is that token's V, exactly."""
     q, kc, vc, table, lens = _setup([1], 6, 2, 16, 4, torch.float32)
