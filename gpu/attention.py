@@ -186,9 +186,10 @@ class TritonAttentionBackend:
         return out
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton on CUDA, cpu elsewhere (torch when the C++ kernel cannot be built), unless
-    ``PAGEDSERVE_ATTENTION_BACKEND`` says which.
+def get_attention_backend(device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """Triton on CUDA, cpu elsewhere (torch when the C++ kernel cannot be built, or for
+    float16, which it does not take), unless ``PAGEDSERVE_ATTENTION_BACKEND`` says which.
 
     Raises:
         ValueError: an unknown name, or a forced backend that cannot run here.
@@ -197,6 +198,10 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     if not name:
         if device.type == "cuda":
             name = "triton"
+        elif dtype not in (torch.float32, torch.bfloat16):
+            log.info("cpu_kernels_skipped", reason=f"they take float32 or bfloat16, not {dtype}",
+                     fallback="torch")
+            name = "torch"
         elif cpu_ops.load() is not None:
             name = "cpu"
         else:

@@ -69,18 +69,21 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_quantization(name: str | None, resolved: loader.ResolvedModel,
-                      device: torch.device) -> str | None:
-    """``--quantization``: ``gguf`` keeps a GGUF file's quantized blocks (CPU only), ``none``
-    de-quantizes; unset = ``gguf`` wherever it can run. Raises ``ValueError``."""
+                      device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
+    """``--quantization``: ``gguf`` keeps a GGUF file's quantized blocks (CPU, float32 or
+    bfloat16 activations), ``none`` de-quantizes; unset = ``gguf`` wherever it can run.
+    Raises ``ValueError``."""
     if name not in (None, "gguf", "none"):
         raise ValueError(f"unknown quantization {name!r}; choose gguf or none")
     if name == "none":
         return None
-    can = resolved.gguf_file is not None and gguf_linear.supported(device)
+    can = (resolved.gguf_file is not None and gguf_linear.supported(device)
+           and dtype in (torch.float32, torch.bfloat16))
     if name == "gguf" and not can:
         raise ValueError(
-            "--quantization gguf needs a .gguf model on the CPU with the C++ kernels built"
-            + ("" if resolved.gguf_file is None else f" (device {device.type})"))
+            "--quantization gguf needs a .gguf model on the CPU with the C++ kernels built, "
+            f"and --dtype float32 or bfloat16 (here: {device.type}, "
+            f"{str(dtype).removeprefix('torch.')})")
     return "gguf" if can else None
 
 
@@ -139,7 +142,7 @@ class ModelRunner:
         self.hf_config = loader.load_config(resolved.path)
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
-        self.attn_backend = get_attention_backend(self.device)
+        self.attn_backend = get_attention_backend(self.device, self.dtype)
         # Our CPU kernels for the elementwise ops go with the cpu backend; the torch backend
         # stays the pure-torch reference throughout.
         fused = self.attn_backend.name == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
@@ -153,7 +156,8 @@ class ModelRunner:
         if getattr(self.hf_config, "tie_word_embeddings", False):
             model.lm_head.weight = model.model.embed_tokens.weight
         loader.load_weights(model, resolved.path)
-        self.quantization = pick_quantization(mc.quantization, resolved, self.device)
+        self.quantization = pick_quantization(mc.quantization, resolved, self.device,
+                                              self.dtype)
         if self.quantization == "gguf":
             swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
                                                  cache_dir=resolved.path)

@@ -79,6 +79,10 @@ def test_quantization_flag_resolution(default_model_dir, tiny_model_dir):
         pick_quantization("gguf", hf, CPU)
     with pytest.raises(ValueError, match="needs a .gguf model"):
         pick_quantization("gguf", gguf, torch.device("cuda"))
+    # Our kernels take float32 or bfloat16 activations: float16 de-quantizes, or is refused.
+    assert pick_quantization(None, gguf, CPU, torch.float16) is None
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        pick_quantization("gguf", gguf, CPU, torch.float16)
     with pytest.raises(ValueError, match="unknown quantization"):
         pick_quantization("awq", gguf, CPU)
 

@@ -35,6 +35,8 @@ from tests.triton_interpreter import KERNEL_DEVICE as DEVICE
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert get_attention_backend(torch.device("cpu")).name == "cpu"  # g++ is on CI's machines
+    # Our C++ kernels take float32 and bfloat16; float16 on the CPU runs the torch reference.
+    assert get_attention_backend(torch.device("cpu"), torch.float16).name == "torch"
     if DEVICE == "cuda":
         assert get_attention_backend(torch.device("cuda")).name == "triton"
     monkeypatch.setenv(BACKEND_ENV, "triton")

@@ -53,6 +53,18 @@ async def test_greedy_parity_with_transformers(client, tiny_model_dir):
         assert body["usage"]["completion_tokens"] == len(want)
 
 
+async def test_float16_on_the_cpu_serves(tiny_model_dir):
+    """float16 runs the torch reference path on the CPU (our kernels take float32/bfloat16):
+    it answers, and its greedy tokens mostly agree with float32's."""
+    async with serve(tiny_model_dir, dtype="float16") as client:
+        body = await chat(client, PROMPTS[0], max_tokens=12)
+        s = await stats(client)
+    assert s["model"]["dtype"] == "float16" and s["model"]["quantization"] == "none"
+    got = body["choices"][0]["token_ids"]
+    want = hf_greedy(tiny_model_dir, chat_prompt_ids(tiny_model_dir, PROMPTS[0]), 12)
+    assert len(got) == len(want) == 12 and got[:4] == want[:4]
+
+
 async def test_stream_concatenation_equals_non_stream(client):
     for prompt in PROMPTS[3:6]:
         full = await chat(client, prompt, max_tokens=30)
