@@ -4,6 +4,10 @@
   padded copy and runs SDPA on it; at 32 decodes of ~200 tokens that gather and SDPA were 44%
   of a bfloat16 step. This kernel reads the blocks in place, and takes several queries per
   sequence (a decode with speculative drafts) as causal decodes of their own.
+- ``paged_prefill_attention``: prefill chunks over the paged cache, flash-attention style
+  with 16 query rows in a register's lanes; 2-3x torch's SDPA called per sequence.
+- ``gguf_linear`` (``kernels/csrc/gguf_gemm.cpp``): products with a GGUF file's Q4_0/Q4_1/Q8_0
+  blocks, read in place (``gpu/gguf_linear.py``).
 - ``rms_norm`` (optionally fused with the residual add), ``silu_and_mul`` and
   ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, which in
   bfloat16 were a quarter of a prefill step; ``reshape_and_cache``, the KV write, in one call

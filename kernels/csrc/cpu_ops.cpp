@@ -1,5 +1,6 @@
 // Our CPU kernels: paged decode attention (one query token per sequence against its whole
-// context, read in place through the block table, no gather copy; softmax in float32), and the
+// context, read in place through the block table, no gather copy; softmax in float32; long
+// contexts of few sequences split across threads), flash-style prefill attention, and the
 // elementwise ops torch would run as several passes: RMSNorm (+ residual add), SiLU-and-mul,
 // RoPE. Everything computes in float32 and rounds once to the tensor's dtype.
 //
