@@ -3,7 +3,7 @@
 A CPU decode step reads every weight once, so its speed is the bytes it reads: SmolLM2-135M's
 Q4_1/Q8_0 file is 96 MB per step where the de-quantized bfloat16 weights are 270 MB. Layers
 whose GGUF tensors are Q4_0, Q4_1 or Q8_0 keep the file's blocks and multiply through
-``kernels.cpu_ops.gguf_linear``; other types (K-quants, F16) stay de-quantized as loaded. The
+``kernels.gguf_ops.gguf_linear``; other types (K-quants, F16) stay de-quantized as loaded. The
 embedding lookup keeps its de-quantized table (one row per token), while a tied ``lm_head``
 multiplies by the quantized ``token_embd`` (a fifth of the model's bytes).
 
@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import cpu_ops
+from kernels import cpu_ops, gguf_ops
 
 log = structlog.get_logger(__name__)
 
@@ -56,14 +56,14 @@ class GGUFLinear(nn.Module):
     """``y = x @ W.T + b`` reading ``W`` as GGUF blocks for small batches.
 
     Up to ``max_rows`` rows (decode steps of a few sequences, where reading the weights is the
-    cost) go through ``cpu_ops.gguf_linear``; in a bfloat16 model more rows go to ``dense``, the
+    cost) go through ``gguf_ops.gguf_linear``; in a bfloat16 model more rows go to ``dense``, the
     de-quantized layer, because there the multiply-adds are the cost and oneDNN's bfloat16
     kernels do them 3-4x faster than our float32 ones (SmolLM2's shapes at 8-512 rows).
 
     Args:
         dense: the loaded ``nn.Linear`` (its bias is used on both paths).
         qweight: ``[out, in / 32 * block_bytes]`` uint8, rows in transformers' order.
-        qtype: GGML type id (``cpu_ops.GGUF_BLOCK_BYTES``).
+        qtype: GGML type id (``gguf_ops.GGUF_BLOCK_BYTES``).
 
     Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype; both paths
     multiply the same de-quantized values (float32 here, the model's dtype in ``dense``).
@@ -81,7 +81,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > self.max_rows * self.in_features:
             return self.dense(x)
-        y = cpu_ops.gguf_linear(x, self.qweight, self.qtype)
+        y = gguf_ops.gguf_linear(x, self.qweight, self.qtype)
         bias = getattr(self.dense, "bias", None)
         return y if bias is None else y + bias
 
@@ -127,7 +127,7 @@ def read_blocks(gguf_file: Path, config: PretrainedConfig) -> tuple[dict, list[s
     for target, parts in groups.items():
         qtypes = {int(t.tensor_type) for t in parts if t is not None}
         if (None in parts or len(qtypes) != 1
-                or qtypes & cpu_ops.GGUF_BLOCK_BYTES.keys() != qtypes):
+                or qtypes & gguf_ops.GGUF_BLOCK_BYTES.keys() != qtypes):
             kept.append(target)
             continue
         rows = []

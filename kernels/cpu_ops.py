@@ -6,8 +6,8 @@
   sequence (a decode with speculative drafts) as causal decodes of their own.
 - ``paged_prefill_attention``: prefill chunks over the paged cache, flash-attention style
   with 16 query rows in a register's lanes; 2-3x torch's SDPA called per sequence.
-- ``gguf_linear`` (``kernels/csrc/gguf_gemm.cpp``): products with a GGUF file's Q4_0/Q4_1/Q8_0
-  blocks, read in place (``gpu/gguf_linear.py``).
+- the GGUF block products of ``kernels/csrc/gguf_gemm.cpp`` are built into the same library
+  and wrapped in ``kernels/gguf_ops.py``.
 - ``rms_norm`` (optionally fused with the residual add), ``silu_and_mul`` and
   ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, which in
   bfloat16 were a quarter of a prefill step; ``reshape_and_cache``, the KV write, in one call
@@ -77,7 +77,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     objs = [f"{tmp[: -len('.so')]}-{s.stem}.o" for s in SOURCES]
     try:
-        for source, obj in zip(SOURCES, objs):
+        for source, obj in zip(SOURCES, objs, strict=True):
             subprocess.run([compiler, *FLAGS, "-c", str(source), "-o", obj],
                            check=True, capture_output=True, text=True, timeout=300)
         subprocess.run([compiler, *LINK_FLAGS, *objs, "-o", tmp],
@@ -345,62 +345,4 @@ def paged_prefill_attention(
           out.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_size, block_size,
           block_table.shape[1], scale):
         raise ValueError("prefill kernel: this CPU has no AVX-512 (or head_size unsupported)")
-    return out
-
-
-# GGML type id -> bytes per block of 32 weights (ggml-common.h): the formats gguf_linear reads.
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
-GGUF_BLOCK_SIZE = 32
-
-
-def _check_gguf(qweight: torch.Tensor, qtype: int, in_features: int) -> None:
-    if qtype not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"GGML type {qtype} is not one of Q4_0, Q4_1, Q8_0 (2, 3, 8)")
-    row_bytes = in_features // GGUF_BLOCK_SIZE * GGUF_BLOCK_BYTES[qtype]
-    if (in_features % GGUF_BLOCK_SIZE or qweight.dtype != torch.uint8 or qweight.dim() != 2
-            or qweight.shape[1] != row_bytes or not qweight.is_contiguous()):
-        raise ValueError(
-            f"qweight must be contiguous uint8 [out, {row_bytes}] for {in_features} inputs "
-            f"of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}"
-        )
-
-
-def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
-                generic: bool = False) -> torch.Tensor:
-    """``x @ W.T`` with ``W`` in GGUF's quantized blocks, never de-quantized in memory.
-
-    Args:
-        x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
-        qweight: ``[N, K / 32 * block_bytes]`` uint8, contiguous: the tensor's rows as the GGUF
-            file stores them (``GGUF_BLOCK_BYTES``).
-        qtype: GGML type id: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0).
-        generic: use the portable loops instead of the AVX-512 ones (tests compare them).
-
-    Returns:
-        ``[..., N]`` in x's dtype: float32 products of the exactly de-quantized weights.
-
-    Raises:
-        ValueError: unsupported type or dtype, or shapes that do not match.
-        RuntimeError: the library could not be built.
-    Source: block formats from llama.cpp's ``ggml-common.h``; kernel split after vLLM's
-    ``csrc/quantization/gguf/``.
-    """
-    fn = _kernel("gguf_linear", x.dtype)
-    k = x.shape[-1]
-    _check_gguf(qweight, qtype, k)
-    rows = x.reshape(-1, k).contiguous()
-    out = torch.empty((rows.shape[0], qweight.shape[0]), dtype=x.dtype)
-    fn(rows.data_ptr(), qweight.data_ptr(), out.data_ptr(), rows.shape[0], qweight.shape[0], k,
-       qtype, int(generic))
-    return out.view(*x.shape[:-1], qweight.shape[0])
-
-
-def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """The weights of ``qweight`` (see ``gguf_linear``) as float32 ``[N, in_features]``."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"cpu kernels unavailable: {_error}")
-    _check_gguf(qweight, qtype, in_features)
-    out = torch.empty((qweight.shape[0], in_features), dtype=torch.float32)
-    lib.gguf_dequantize(qweight.data_ptr(), out.data_ptr(), qweight.shape[0], in_features, qtype)
     return out

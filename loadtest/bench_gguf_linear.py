@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 from gpu import cpu_gemm, loader
 from gpu.model_runner import cpu_threads
-from kernels import cpu_ops
+from kernels import gguf_ops
 
 
 def _ms(fn, seconds: float = 0.3) -> float:
@@ -54,8 +54,8 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)
             xb = x.bfloat16()
-            q32 = _ms(lambda: cpu_ops.gguf_linear(x, blocks, qtype))
-            q16 = _ms(lambda: cpu_ops.gguf_linear(xb, blocks, qtype))
+            q32 = _ms(lambda: gguf_ops.gguf_linear(x, blocks, qtype))
+            q16 = _ms(lambda: gguf_ops.gguf_linear(xb, blocks, qtype))
             bf16 = _ms(lambda: packed(xb))
             f32 = _ms(lambda: torch.nn.functional.linear(x, weight))
             print(f"  rows={rows:4d}  gguf f32 {q32:7.3f} ms  gguf bf16 {q16:7.3f} ms  "

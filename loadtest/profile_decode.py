@@ -124,8 +124,9 @@ def main() -> None:
                 cpu.append(time.process_time() - c)
             # CPU time is the steadier figure on a shared machine (exact with --threads 1).
             w, c = statistics.median(wall), statistics.median(cpu)
-            print(f"dtype={dtype} quantization={quant} batch={batch} decode step median wall {w * 1e3:.1f} ms "
-                  f"({batch / w:.0f} tok/s), cpu {c * 1e3:.1f} ms ({batch / c:.0f} tok/s)",
+            print(f"dtype={dtype} quantization={quant} batch={batch} decode step median wall "
+                  f"{w * 1e3:.1f} ms ({batch / w:.0f} tok/s), cpu {c * 1e3:.1f} ms "
+                  f"({batch / c:.0f} tok/s)",
                   flush=True)
             if args.profile:
                 with torch.profiler.profile() as prof:

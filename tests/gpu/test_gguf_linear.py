@@ -12,7 +12,7 @@ from gpu import gguf_linear, loader
 from gpu.attention import get_attention_backend
 from gpu.model_runner import pick_quantization
 from gpu.models.llama import LlamaForCausalLM
-from kernels import cpu_ops
+from kernels import gguf_ops
 
 CPU = torch.device("cpu")
 
@@ -43,7 +43,7 @@ def test_every_linear_holds_the_files_weights_exactly(quantized):
     assert layers["lm_head"].qtype == 8  # the tied token_embd is Q8_0 in this file
     assert layers["model.layers.0.self_attn.qkv_proj"].qtype == 3  # Q4_1
     for name, layer in layers.items():
-        values = cpu_ops.gguf_dequantize(layer.qweight, layer.qtype, layer.in_features)
+        values = gguf_ops.gguf_dequantize(layer.qweight, layer.qtype, layer.in_features)
         assert torch.equal(values, dense[name]), name
     # The embedding lookup keeps its de-quantized table.
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
@@ -55,12 +55,12 @@ def test_small_batches_read_blocks_large_bfloat16_ones_the_dense_copy(quantized)
     assert f32.max_rows > 10**6  # float32: the kernel at every size
     bf16 = gguf_linear.GGUFLinear(torch.nn.Linear(f32.in_features, f32.out_features,
                                                   bias=False).bfloat16(), f32.qweight, f32.qtype)
-    bf16.dense.weight.data.copy_(cpu_ops.gguf_dequantize(f32.qweight, f32.qtype,
+    bf16.dense.weight.data.copy_(gguf_ops.gguf_dequantize(f32.qweight, f32.qtype,
                                                          f32.in_features))
     assert bf16.max_rows == 4
     for rows in (1, 4, 5, 64):
         x = torch.randn(rows, f32.in_features).bfloat16()
-        kernel = cpu_ops.gguf_linear(x, f32.qweight, f32.qtype)
+        kernel = gguf_ops.gguf_linear(x, f32.qweight, f32.qtype)
         want = kernel if rows <= 4 else bf16.dense(x)
         assert torch.equal(bf16(x), want), rows
         # Either way the same weights: float32 ones in the kernel, rounded to bfloat16 dense.

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels import cpu_ops
+from kernels import gguf_ops
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -24,8 +24,8 @@ def _quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_is_bit_equal_to_gguf_py(qtype):
     blocks, values = _quantized(qtype, 33, 256)
-    assert blocks.shape[1] == 256 // 32 * cpu_ops.GGUF_BLOCK_BYTES[int(qtype)]
-    assert torch.equal(cpu_ops.gguf_dequantize(blocks, int(qtype), 256), values)
+    assert blocks.shape[1] == 256 // 32 * gguf_ops.GGUF_BLOCK_BYTES[int(qtype)]
+    assert torch.equal(gguf_ops.gguf_dequantize(blocks, int(qtype), 256), values)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -36,12 +36,12 @@ def test_linear_equals_float64_product(qtype, rows, generic):
     blocks, values = _quantized(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = x.double() @ values.double().T
-    got = cpu_ops.gguf_linear(x, blocks, int(qtype), generic=generic)
+    got = gguf_ops.gguf_linear(x, blocks, int(qtype), generic=generic)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     # bfloat16 in and out: the same float32 products of the rounded input, rounded once.
     xb = x.bfloat16()
-    got_b = cpu_ops.gguf_linear(xb, blocks, int(qtype), generic=generic)
+    got_b = gguf_ops.gguf_linear(xb, blocks, int(qtype), generic=generic)
     want_b = (xb.double() @ values.double().T).bfloat16()
     assert got_b.dtype == torch.bfloat16
     torch.testing.assert_close(got_b.float(), want_b.float(), rtol=8e-3, atol=1e-2)
@@ -50,12 +50,12 @@ def test_linear_equals_float64_product(qtype, rows, generic):
 def test_linear_keeps_leading_dims_and_rejects_bad_input():
     blocks, values = _quantized(GGMLQuantizationType.Q4_1, 8, 64)
     x = torch.randn(2, 3, 64)
-    out = cpu_ops.gguf_linear(x, blocks, 3)
+    out = gguf_ops.gguf_linear(x, blocks, 3)
     assert out.shape == (2, 3, 8)
     torch.testing.assert_close(out, x @ values.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not one of"):
-        cpu_ops.gguf_linear(x, blocks, 12)  # Q4_K
+        gguf_ops.gguf_linear(x, blocks, 12)  # Q4_K
     with pytest.raises(ValueError, match="qweight must be"):
-        cpu_ops.gguf_linear(torch.randn(1, 96), blocks, 3)  # rows are 64 weights, not 96
+        gguf_ops.gguf_linear(torch.randn(1, 96), blocks, 3)  # rows are 64 weights, not 96
     with pytest.raises(ValueError, match="float32 and bfloat16"):
-        cpu_ops.gguf_linear(x.half(), blocks, 3)
+        gguf_ops.gguf_linear(x.half(), blocks, 3)

@@ -9,32 +9,22 @@ import pytest
 import torch
 
 from kernels import cpu_ops, reference
+from tests.kernels.test_cpu_ops import _setup
 
 pytestmark = pytest.mark.skipif(not cpu_ops.prefill_supported(64),
                                 reason="the prefill kernel needs an AVX-512 build")
 
 
 def _problem(q_lens, seq_lens, heads, kv_heads, head_size, block_size, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-s // block_size) for s in seq_lens) + 1  # a spare column, never read
-    num_blocks = max_blocks * len(seq_lens) + 2
-    table = torch.randperm(num_blocks, generator=g)[: max_blocks * len(seq_lens)]
-    table = table.view(len(seq_lens), max_blocks).int()
-    # Every slot NaN, then each sequence's own tokens: a read of any other slot poisons the output.
-    kc = torch.full((num_blocks, block_size, kv_heads, head_size), float("nan"), dtype=dtype)
-    vc = kc.clone()
-    for i, s in enumerate(seq_lens):
-        pos = torch.arange(s)
-        slots = table[i, pos // block_size].long() * block_size + pos % block_size
-        reference.reshape_and_cache(
-            torch.randn(s, kv_heads, head_size, generator=g).to(dtype),
-            torch.randn(s, kv_heads, head_size, generator=g).to(dtype), kc, vc, slots)
+    # The decode tests' paged cache: every slot NaN but each sequence's own tokens.
+    _, kc, vc, table, lens = _setup(seq_lens, heads, kv_heads, head_size, block_size, dtype, seed)
     # Queries as a view into a wider qkv row, as the model passes them.
+    g = torch.Generator().manual_seed(seed + 1)
     width = (heads + 2 * kv_heads) * head_size
     qkv = torch.randn(sum(q_lens), width, generator=g).to(dtype)
     q = qkv[:, : heads * head_size].view(-1, heads, head_size)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), qsl
+    return q, kc, vc, table, lens, qsl
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
