@@ -4,10 +4,14 @@ Prefills ``--batch`` sequences of ``--context`` tokens, then times ``--steps`` d
 the whole batch and prints the median step time, the tokens/s that implies, and optionally
 torch.profiler's table of the most expensive operators (``--profile``) or the step split into
 linear layers, our C++ kernels (which torch.profiler cannot see), KV writes, sampling and the
-rest (``--breakdown``).
+rest (``--breakdown``). ``--quantization gguf,none`` compares keeping the GGUF file's blocks
+with de-quantized weights; ``--prefill`` also times a step prefilling the batch's prompts.
 
     .venv/bin/python loadtest/profile_decode.py --batch 1,8,32 --dtype float32,bfloat16
-    .venv/bin/python loadtest/profile_decode.py --batch 8,32 --dtype bfloat16 --breakdown
+    .venv/bin/python loadtest/profile_decode.py --batch 1,8 --dtype bfloat16 \
+        --quantization gguf,none --breakdown
+    .venv/bin/python loadtest/profile_decode.py --batch 8 --context 256 --dtype bfloat16 \
+        --quantization gguf --prefill --breakdown
 """
 
 from __future__ import annotations
@@ -89,7 +93,8 @@ def _timed_parts(totals: dict[str, float]):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="1,8,32")
     p.add_argument("--dtype", default="float32,bfloat16")
     p.add_argument("--context", type=int, default=200)
