@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: the model runner alone (no HTTP, no actors).
+r"""Where a decode step's time goes: the model runner alone (no HTTP, no actors).
 
 Prefills ``--batch`` sequences of ``--context`` tokens, then times ``--steps`` decode steps of
 the whole batch and prints the median step time, the tokens/s that implies, and optionally
