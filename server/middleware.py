@@ -84,7 +84,9 @@ class RequestGuard:
 
 async def _reply(send: Send, status: int, message: str,
                  extra_headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(message, status)).encode()
+    # Rendered as Starlette's JSONResponse renders every other error: compact, UTF-8.
+    body = json.dumps(error_body(message, status), ensure_ascii=False,
+                      separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]

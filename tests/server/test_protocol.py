@@ -249,6 +249,11 @@ async def test_size_and_content_type_limits(tiny_model_dir):
         r = await client.post("/v1/chat/completions", content=b"messages=hi",
                               headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 415
+        # Rendered like every other error (Starlette's compact JSON).
+        bad_model = await client.post("/v1/chat/completions", json={**{"messages": MSG},
+                                                                   "model": "nope"})
+        assert r.content.startswith(b'{"error":{"message":') and bad_model.content.startswith(
+            b'{"error":{"message":')
         assert (await chat(client, "fine", max_tokens=2))["choices"]
 
 
