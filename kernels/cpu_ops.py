@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "gguf_gemm.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "convert.h"]  # part of the build's cache key
 # -ffast-math lets expf and the dot-product reductions vectorize (3x). It is given to the compile
 # step only: linked with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the whole
 # process when the library loads.
@@ -65,7 +66,7 @@ def _cpu_key() -> str:
 
 def _build(compiler: str) -> Path:
     digest = hashlib.sha256(
-        b"".join(s.read_bytes() for s in SOURCES)
+        b"".join(s.read_bytes() for s in [*SOURCES, *HEADERS])
         + " ".join(FLAGS + LINK_FLAGS).encode() + _cpu_key().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_ops-{digest}.so"

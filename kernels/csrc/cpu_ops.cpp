@@ -21,26 +21,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "convert.h"
 
-inline float load(float x) { return x; }
-inline float load(uint16_t h) {  // bfloat16 -> float32: the high half of the bits
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void store(float x, float* dst) { *dst = x; }
-inline void store(float x, uint16_t* dst) {  // float32 -> bfloat16, round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *dst = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *dst = static_cast<uint16_t>(u >> 16);
-}
+namespace {
 
 // Each row of rows x len scores becomes exp(s - max(row)) in place (the maxima into ``maxes``
 // if given); ``finish`` divides by the row sums.
@@ -73,12 +56,6 @@ void finish(const float* acc, const float* probs, T* dst, int64_t num_heads, int
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // The decode loop with 16-lane registers, for head_size % 16 == 0 (every model we serve): a
 // K/V row is converted once into registers per kv head, not stored and reloaded.
 template <typename T>

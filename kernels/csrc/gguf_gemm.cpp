@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "convert.h"
+
 namespace {
 
 constexpr int64_t QK = 32;                                // weights per block
@@ -51,25 +53,6 @@ inline float fp16(const uint8_t* p) {  // IEEE half -> float (little endian)
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float x, float* dst) { *dst = x; }
-inline void store(float x, uint16_t* dst) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *dst = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *dst = static_cast<uint16_t>(u >> 16);
 }
 
 // One block's 32 weights as floats (scalar; the generic path and the reference for the SIMD).
@@ -103,13 +86,9 @@ const float* as_f32(const T* x, int64_t n, std::vector<float>& buf) {
     buf.resize(n);
     int64_t i = 0;
 #if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {  // bfloat16 -> float32: shift into the high half
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-      _mm512_storeu_ps(buf.data() + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                           _mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf.data() + i, load16(x + i));
 #endif
-    for (; i < n; ++i) buf[i] = to_f32(x[i]);
+    for (; i < n; ++i) buf[i] = load(x[i]);
     return buf.data();
   }
 }
