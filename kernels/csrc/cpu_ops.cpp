@@ -99,8 +99,8 @@ void decode_seq_avx512(const float* q, const T* key_cache, const T* value_cache,
 #endif
 
 // Scores, softmax and p.V of one query over tokens t_begin..t_end-1 of its sequence, for all
-// heads: acc[h] = sum_t p[h][t] v_t with p = exp(s - maxes[h]) left in scores (row length
-// t_end - t_begin), unnormalised.
+// heads: acc[h] = sum_t p[h][t] v_t with p = exp(s - max_h) left in scores (row length
+// t_end - t_begin), unnormalised; the maxima go to ``maxes`` when it is not null.
 template <typename T>
 void attend(const float* q, const T* key_cache, const T* value_cache, const int32_t* blocks,
             int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t num_kv_heads,
@@ -179,7 +179,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   }
 #pragma omp parallel
   {
-    std::vector<float> q(hd), row(num_kv_heads * head_size), acc(hd), maxes(num_heads);
+    std::vector<float> q(hd), row(num_kv_heads * head_size), acc(hd);
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * splits; ++task) {
@@ -196,7 +196,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         if (splits == 1) {
           scores.resize(num_heads * len);
           attend(q.data(), key_cache, value_cache, blocks, 0, len, num_heads, num_kv_heads,
-                 head_size, block_size, row.data(), scores.data(), acc.data(), maxes.data());
+                 head_size, block_size, row.data(), scores.data(), acc.data(), nullptr);
           finish(acc.data(), scores.data(), out + (q_begin + j) * hd, num_heads, head_size, len);
           continue;
         }
