@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.spec_decode import SpeculativeConfig
 
 
 @dataclass(slots=True)

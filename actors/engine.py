@@ -19,21 +19,21 @@ from typing import Any
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from actors.config import SchedulerConfig
-from actors.detokenizer import IncrementalDetokenizer
-from actors.errors import EngineError, EngineShuttingDown
-from actors.executor import Executor
-from actors.kv_cache_manager import KVCacheManager
-from actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
-from actors.request import Request, RequestOutput
-from actors.scheduler import Scheduler
-from actors.stats import RequestUpdate, StatLogger
-from actors.structured_output import StructuredOutputConfig, StructuredOutputManager
-from gpu import loader
-from gpu.config import CacheConfig, ModelConfig
-from gpu.model_runner import ModelInfo, ModelRunner
-from gpu.sampler import TokenLogprobs
-from gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.errors import EngineError, EngineShuttingDown
+from pagedserve.actors.executor import Executor
+from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
+from pagedserve.actors.request import Request, RequestOutput
+from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.stats import RequestUpdate, StatLogger
+from pagedserve.actors.structured_output import StructuredOutputConfig, StructuredOutputManager
+from pagedserve.gpu import loader
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
+from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from actors.actor import Actor
-from actors.messages import ExecuteModel
-from gpu.model_runner import ModelInfo, ModelRunner
+from pagedserve.actors.actor import Actor
+from pagedserve.actors.messages import ExecuteModel
+from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
 
 
 class Executor(Actor):

@@ -15,9 +15,9 @@ before any attention reads them).
 
 from __future__ import annotations
 
-from actors.block_pool import BlockPool, KVCacheBlock
-from actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
-from actors.request import Request
+from pagedserve.actors.block_pool import BlockPool, KVCacheBlock
+from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
+from pagedserve.actors.request import Request
 
 
 class KVCacheManager:

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from actors.request import Request
-from gpu.batch import ModelRunnerOutput, SchedulerOutput
+from pagedserve.actors.request import Request
+from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(slots=True)

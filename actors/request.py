@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpu.sampler import TokenLogprobs
-from gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from actors.structured_output import StructuredOutputRequest
+    from pagedserve.actors.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):

@@ -9,7 +9,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from actors.request import Request
+from pagedserve.actors.request import Request
 
 POLICIES = ("fcfs", "priority")
 

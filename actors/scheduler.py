@@ -24,11 +24,11 @@ from typing import Any
 
 import structlog
 
-from actors.actor import Actor
-from actors.config import SchedulerConfig
-from actors.errors import DuplicateRequestId, EngineOverloaded
-from actors.kv_cache_manager import KVCacheManager
-from actors.messages import (
+from pagedserve.actors.actor import Actor
+from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
@@ -37,12 +37,12 @@ from actors.messages import (
     GrammarReady,
     ResetPrefixCache,
 )
-from actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
-from actors.request_queue import make_request_queue
-from actors.spec_decode import can_speculate, propose_ngram
-from actors.stats import StatLogger, StepHistory, StepStats, request_row
-from actors.structured_output import advance, grammar_bitmask
-from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from pagedserve.actors.request_queue import make_request_queue
+from pagedserve.actors.spec_decode import can_speculate, propose_ngram
+from pagedserve.actors.stats import StatLogger, StepHistory, StepStats, request_row
+from pagedserve.actors.structured_output import advance, grammar_bitmask
+from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 

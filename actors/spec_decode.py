@@ -18,7 +18,7 @@ import json
 from array import array
 from dataclasses import dataclass
 
-from gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

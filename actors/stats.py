@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.request import Request
+from pagedserve.actors.request import Request
 
 
 @dataclass(slots=True)

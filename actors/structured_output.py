@@ -53,12 +53,12 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from actors.request import RequestStatus
-from gpu.batch import ScheduledRequest
-from gpu.sampling_params import StructuredOutputsParams
+from pagedserve.actors.request import RequestStatus
+from pagedserve.gpu.batch import ScheduledRequest
+from pagedserve.gpu.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from actors.request import Request
+    from pagedserve.actors.request import Request
 
 log = structlog.get_logger(__name__)
 

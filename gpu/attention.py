@@ -21,7 +21,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from kernels import cpu_ops, reference
+from pagedserve.kernels import cpu_ops, reference
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +153,7 @@ class TritonAttentionBackend:
                 f"interpreter, slow: for tests); unset {BACKEND_ENV} to use the torch backend"
             )
         # Imported here so the CPU path never loads triton.
-        from kernels import paged_attention, prefill_attention, reshape_and_cache
+        from pagedserve.kernels import paged_attention, prefill_attention, reshape_and_cache
 
         self._reshape_and_cache = reshape_and_cache.reshape_and_cache
         self._decode = paged_attention.paged_decode_attention

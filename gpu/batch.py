@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpu.sampler import TokenLogprobs
-from gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

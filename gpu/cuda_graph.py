@@ -21,8 +21,8 @@ from __future__ import annotations
 import structlog
 import torch
 
-from gpu.attention import AttentionMetadata
-from gpu.batch import ScheduledRequest
+from pagedserve.gpu.attention import AttentionMetadata
+from pagedserve.gpu.batch import ScheduledRequest
 
 log = structlog.get_logger(__name__)
 

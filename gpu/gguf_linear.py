@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import cpu_ops, gguf_ops
+from pagedserve.kernels import cpu_ops, gguf_ops
 
 log = structlog.get_logger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
+from pagedserve.gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
 
 
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from gpu import cpu_gemm, gguf_linear, kv_cache, loader
-from gpu.attention import AttentionMetadata, get_attention_backend
-from gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from gpu.config import CacheConfig, ModelConfig
-from gpu.cuda_graph import CudaGraphRunner
-from gpu.grammar_bitmask import apply_grammar_bitmask
-from gpu.models.llama import LlamaForCausalLM
-from gpu.sampler import SampleRow, sample
-from gpu.sampling_params import SamplingParams
+from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader
+from pagedserve.gpu.attention import AttentionMetadata, get_attention_backend
+from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.cuda_graph import CudaGraphRunner
+from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.sampler import SampleRow, sample
+from pagedserve.gpu.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops import _kernel, error, load
+from pagedserve.kernels.cpu_ops import _kernel, error, load
 
 # GGML type id -> bytes per block of 32 weights (ggml-common.h): the formats gguf_linear reads.
 GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0

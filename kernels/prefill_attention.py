@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import prepare_query_and_out
+from pagedserve.kernels.launch import prepare_query_and_out
 
 LOG2E = 1.4426950408889634
 

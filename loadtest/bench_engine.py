@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from server.launch import start_server_process
+from pagedserve.server.launch import start_server_process
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",

@@ -19,9 +19,9 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from gpu import cpu_gemm, loader
-from gpu.model_runner import cpu_threads
-from kernels import gguf_ops
+from pagedserve.gpu import cpu_gemm, loader
+from pagedserve.gpu.model_runner import cpu_threads
+from pagedserve.kernels import gguf_ops
 
 
 def _ms(fn, seconds: float = 0.3) -> float:

@@ -22,10 +22,10 @@ import time
 import torch
 import xgrammar as xgr
 
-from actors.engine import AsyncEngine, EngineConfig
-from gpu.grammar_bitmask import apply_grammar_bitmask
-from gpu.config import CacheConfig, ModelConfig
-from gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 LONG = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 64}
 MEDIUM = {

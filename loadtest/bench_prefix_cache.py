@@ -17,11 +17,11 @@ import time
 
 import httpx
 
-from actors.config import SchedulerConfig
-from actors.engine import AsyncEngine, EngineConfig
-from gpu.config import CacheConfig, ModelConfig
-from server.launch import running_server
-from server.serving import ServingConfig
+from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.server.launch import running_server
+from pagedserve.server.serving import ServingConfig
 
 WORDS = ("river mountain lantern orchard copper violet harbor meadow thunder compass "
          "glacier saffron marble falcon willow ember canyon").split()

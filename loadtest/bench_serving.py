@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from server.launch import start_server_process
+from pagedserve.server.launch import start_server_process
 from workloads import BenchRequest, build_workload
 
 # -- one measured request ---------------------------------------------------------------------
@@ -222,7 +222,7 @@ def load_hf(args):
 
     path = args.hf_model
     if path is None:  # the embedded default, converted once by pagedserve's loader
-        from gpu import loader
+        from pagedserve.gpu import loader
 
         path = str(loader.resolve_model(None).path)
     # As the server's forward pass: all cores but one unless told (see gpu/model_runner.py).

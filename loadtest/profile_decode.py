@@ -25,14 +25,14 @@ import time
 
 import torch
 
-from gpu import cpu_gemm, gguf_linear
-from gpu import model_runner as model_runner_module
-from gpu.attention import CpuAttentionBackend, TorchAttentionBackend
-from gpu.batch import ScheduledRequest, SchedulerOutput
-from gpu.config import CacheConfig, ModelConfig
-from gpu.model_runner import ModelRunner
-from gpu.sampling_params import SamplingParams
-from kernels import cpu_ops
+from pagedserve.gpu import cpu_gemm, gguf_linear
+from pagedserve.gpu import model_runner as model_runner_module
+from pagedserve.gpu.attention import CpuAttentionBackend, TorchAttentionBackend
+from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.model_runner import ModelRunner
+from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.kernels import cpu_ops
 
 
 def _requests(batch: int, context: int, block_size: int) -> list[dict]:

@@ -26,9 +26,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from actors.engine import AsyncEngine
-from server.errors import OpenAIError
-from server.metrics import CONTENT_TYPE, PrometheusStatLogger
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 
 STATIC_DIR = Path(__file__).parent / "static"
 EVENTS_MAX_INTERVAL_S = 0.5  # a snapshot at least this often

@@ -12,13 +12,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from actors.engine import AsyncEngine
-from server.admin import admin_routes
-from server.errors import OpenAIError, error_body
-from server.middleware import RequestGuard
-from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.request_body import parse_body
-from server.serving import Serving, ServingConfig
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.server.admin import admin_routes
+from pagedserve.server.errors import OpenAIError, error_body
+from pagedserve.server.middleware import RequestGuard
+from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.request_body import parse_body
+from pagedserve.server.serving import Serving, ServingConfig
 
 log = structlog.get_logger(__name__)
 

@@ -12,13 +12,13 @@ import sys
 
 import structlog
 
-from actors.config import SchedulerConfig
-from actors.engine import AsyncEngine, EngineConfig
-from actors.spec_decode import SpeculativeConfig, parse_speculative_config
-from actors.structured_output import StructuredOutputConfig
-from gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
-from gpu.loader import ModelLoadError
-from server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.spec_decode import SpeculativeConfig, parse_speculative_config
+from pagedserve.actors.structured_output import StructuredOutputConfig
+from pagedserve.gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig
+from pagedserve.gpu.loader import ModelLoadError
+from pagedserve.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 log = structlog.get_logger("pagedserve")
 
@@ -168,9 +168,9 @@ def _read_template(value: str | None) -> str | None:
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
-    from server.app import build_app
-    from server.launch import hypercorn_config
-    from server.serving import ServingConfig
+    from pagedserve.server.app import build_app
+    from pagedserve.server.launch import hypercorn_config
+    from pagedserve.server.serving import ServingConfig
 
     if args.api_key is None and not _is_loopback(args.host):
         log.warning("no_api_key_on_public_address", host=args.host,

@@ -14,9 +14,9 @@ from pathlib import Path
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from actors.engine import AsyncEngine
-from server.app import build_app
-from server.serving import ServingConfig
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.server.app import build_app
+from pagedserve.server.serving import ServingConfig
 
 
 def hypercorn_config(host: str, port: int) -> Config:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from actors.stats import RequestUpdate, StepStats
+from pagedserve.actors.stats import RequestUpdate, StepStats
 
 PREFIX = "pagedserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

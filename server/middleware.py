@@ -12,7 +12,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from server.errors import OpenAIError, error_body
+from pagedserve.server.errors import OpenAIError, error_body
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

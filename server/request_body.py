@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from server.errors import OpenAIError
+from pagedserve.server.errors import OpenAIError
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:

@@ -14,10 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
-from actors.engine import GenerationDelta, RequestStream
-from actors.errors import EngineError, EngineShuttingDown
-from gpu.sampler import TokenLogprobs
-from server.errors import OpenAIError, error_body
+from pagedserve.actors.engine import GenerationDelta, RequestStream
+from pagedserve.actors.errors import EngineError, EngineShuttingDown
+from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.server.errors import OpenAIError, error_body
 
 log = structlog.get_logger(__name__)
 

@@ -18,14 +18,14 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from actors.engine import AsyncEngine, RequestStream
-from actors.errors import DuplicateRequestId, EngineOverloaded
-from actors.structured_output import GrammarError
-from gpu.sampling_params import SamplingParams
-from server.errors import OpenAIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
-from server.request_body import parse_body
-from server.responses import ResponseBuilder, collect, sse_events, until_disconnect
+from pagedserve.actors.engine import AsyncEngine, RequestStream
+from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.actors.structured_output import GrammarError
+from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
+from pagedserve.server.request_body import parse_body
+from pagedserve.server.responses import ResponseBuilder, collect, sse_events, until_disconnect
 
 log = structlog.get_logger(__name__)
 

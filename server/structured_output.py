@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpu.sampling_params import StructuredOutputsParams
-from server.errors import OpenAIError
+from pagedserve.gpu.sampling_params import StructuredOutputsParams
+from pagedserve.server.errors import OpenAIError
 
 
 class _Body(BaseModel):

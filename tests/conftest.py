@@ -14,13 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-from actors.config import SchedulerConfig
-from actors.engine import AsyncEngine, EngineConfig
-from actors.structured_output import StructuredOutputConfig
-from gpu import loader
-from gpu.config import CacheConfig, ModelConfig
-from server.launch import running_server
-from server.serving import ServingConfig
+from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.structured_output import StructuredOutputConfig
+from pagedserve.gpu import loader
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.server.launch import running_server
+from pagedserve.server.serving import ServingConfig
 from tests import triton_interpreter  # noqa: F401  (TRITON_INTERPRET before triton loads)
 
 TINY_NAME = "tiny-llama"

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from server.launch import start_server_process
+from pagedserve.server.launch import start_server_process
 from tests.conftest import chat_prompt_ids, hf_greedy
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

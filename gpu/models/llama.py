@@ -16,8 +16,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from gpu.attention import AttentionBackend, AttentionMetadata
-from kernels import cpu_ops
+from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
+from pagedserve.kernels import cpu_ops
 
 
 def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:

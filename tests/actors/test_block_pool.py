@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from actors.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from actors.kv_cache_manager import KVCacheManager
-from actors.request import Request
-from gpu.sampling_params import SamplingParams
+from pagedserve.actors.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.request import Request
+from pagedserve.gpu.sampling_params import SamplingParams
 
 
 def test_free_queue_popleft_remove_append():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.detokenizer import IncrementalDetokenizer
-from gpu.sampling_params import SamplingParams
+from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.gpu.sampling_params import SamplingParams
 from tests.conftest import hf_tokenizer
 
 

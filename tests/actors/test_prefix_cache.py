@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.kv_cache_manager import KVCacheManager
-from actors.kv_cache_utils import (
+from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_cache_utils import (
     HASH_FUNCTIONS,
     ROOT_HASH,
     extend_block_hashes,
     hash_block_tokens,
 )
-from actors.request import Request
-from gpu.sampling_params import SamplingParams
+from pagedserve.actors.request import Request
+from pagedserve.gpu.sampling_params import SamplingParams
 
 SHA = HASH_FUNCTIONS["sha256"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.stats import StepHistory, StepStats
+from pagedserve.actors.stats import StepHistory, StepStats
 
 
 def step(t: float, prefill: int, decode: int, generated: int) -> StepStats:

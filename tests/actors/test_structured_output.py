@@ -9,15 +9,15 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from actors.structured_output import (
+from pagedserve.actors.structured_output import (
     GrammarError,
     StructuredOutputConfig,
     StructuredOutputManager,
     cache_key,
     check_json_schema,
 )
-from gpu.grammar_bitmask import apply_grammar_bitmask
-from gpu.sampling_params import StructuredOutputsParams as Spec
+from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.sampling_params import StructuredOutputsParams as Spec
 from tests.conftest import hf_tokenizer
 
 VOCAB = 49152

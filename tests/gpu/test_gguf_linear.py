@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import gguf_linear, loader
-from gpu.attention import get_attention_backend
-from gpu.model_runner import pick_quantization
-from gpu.models.llama import LlamaForCausalLM
-from kernels import gguf_ops
+from pagedserve.gpu import gguf_linear, loader
+from pagedserve.gpu.attention import get_attention_backend
+from pagedserve.gpu.model_runner import pick_quantization
+from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.kernels import gguf_ops
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 
-from actors.engine import AsyncEngine
-from gpu.attention import (
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.gpu.attention import (
     BACKEND_ENV,
     AttentionMetadata,
     CpuAttentionBackend,
@@ -23,11 +23,11 @@ from gpu.attention import (
     TritonAttentionBackend,
     get_attention_backend,
 )
-from gpu.batch import ScheduledRequest
-from gpu.cuda_graph import DecodeBatch
-from gpu.sampling_params import SamplingParams
-from server.launch import running_server
-from server.serving import ServingConfig
+from pagedserve.gpu.batch import ScheduledRequest
+from pagedserve.gpu.cuda_graph import DecodeBatch
+from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.launch import running_server
+from pagedserve.server.serving import ServingConfig
 from tests.conftest import TINY_NAME, chat, engine_config
 from tests.triton_interpreter import KERNEL_DEVICE as DEVICE
 
@@ -49,7 +49,7 @@ def test_backend_selection(monkeypatch):
 
 
 def test_cpu_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
-    from kernels import cpu_ops
+    from pagedserve.kernels import cpu_ops
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.setattr(cpu_ops, "load", lambda: None)

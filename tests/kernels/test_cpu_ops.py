@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from pagedserve.kernels import cpu_ops, reference
 
 
 def _setup(seq_lens, heads, kv_heads, head_size, block_size, dtype, seed=0):
@@ -165,7 +165,7 @@ def test_silu_and_mul(dtype, tol, rows):
 def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol, rows):
     from transformers import LlamaConfig
 
-    from gpu.models.llama import RotaryEmbedding, apply_rope
+    from pagedserve.gpu.models.llama import RotaryEmbedding, apply_rope
 
     heads, kv_heads, d = 4, 2, 16
     rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), d, 64)

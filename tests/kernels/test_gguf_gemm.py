@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kernels import gguf_ops
+from pagedserve.kernels import gguf_ops
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 

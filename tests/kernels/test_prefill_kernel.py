@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from pagedserve.kernels import cpu_ops, reference
 from tests.kernels.test_cpu_ops import _setup
 
 pytestmark = pytest.mark.skipif(not cpu_ops.prefill_supported(64),
@@ -58,7 +58,7 @@ def test_unsupported_shapes_are_refused_and_the_backend_falls_back():
     args = (*_problem([5], [5], 4, 4, 8, 4, torch.float32), 0.3)
     with pytest.raises(ValueError, match="head_size 8"):
         cpu_ops.paged_prefill_attention(*args)
-    from gpu.attention import CpuAttentionBackend
+    from pagedserve.gpu.attention import CpuAttentionBackend
 
     want = reference.paged_prefill_attention(args[0], args[1].nan_to_num(0.0),
                                              args[2].nan_to_num(0.0), *args[3:])

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from pagedserve.kernels import reference
 
 
 def _paged_setup(seq_lens, q_lens, block_size, heads, kv_heads, head_size, seed=0):

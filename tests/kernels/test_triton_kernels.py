@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention, prefill_attention, reference, reshape_and_cache
+from pagedserve.kernels import paged_attention, prefill_attention, reference, reshape_and_cache
 from tests.triton_interpreter import KERNEL_DEVICE as DEVICE
 
 # Max abs error against the float32-softmax reference, per dtype (outputs are O(1)).

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.launch import start_server_process
+from pagedserve.server.launch import start_server_process
 
 BIN = Path(sys.executable).parent
 LOCUSTFILE = Path(__file__).parents[2] / "loadtest" / "locustfile.py"

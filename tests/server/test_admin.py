@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest_asyncio
 
-from server.serving import ServingConfig
+from pagedserve.server.serving import ServingConfig
 from tests.conftest import TINY_NAME, hf_tokenizer, serve, stats
 
 BLOCK = 16

@@ -11,8 +11,8 @@ import re
 import pytest
 import pytest_asyncio
 
-from actors.engine import AsyncEngine, EngineError
-from gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.actors.engine import AsyncEngine, EngineError
+from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.conftest import (
     chat,
     chat_prompt_ids,

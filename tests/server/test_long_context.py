@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import uuid
 
-from actors.engine import AsyncEngine
-from gpu.sampling_params import SamplingParams
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.gpu.sampling_params import SamplingParams
 from tests.conftest import chat_prompt_ids, engine_config, hf_greedy
 
 

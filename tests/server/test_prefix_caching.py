@@ -6,8 +6,8 @@ import asyncio
 import random
 import uuid
 
-from actors.engine import AsyncEngine
-from gpu.sampling_params import SamplingParams
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.gpu.sampling_params import SamplingParams
 from tests.conftest import chat, chat_prompt_ids, engine_config, hf_greedy, serve, stats
 
 

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from server.serving import ServingConfig
+from pagedserve.server.serving import ServingConfig
 from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats
 
 MSG = [{"role": "user", "content": "Tell me about the weather today."}]
@@ -315,7 +315,7 @@ async def test_prompt_text_is_logged_only_when_asked(tiny_model_dir, capsys):
 
 
 def test_api_key_from_environment(monkeypatch):
-    from server.cli import build_parser
+    from pagedserve.server.cli import build_parser
 
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"

@@ -16,25 +16,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gpu.model_runner
-from actors.detokenizer import IncrementalDetokenizer
-from actors.engine import AsyncEngine
-from server.launch import running_server, start_server_process
-from server.serving import ServingConfig
+import pagedserve.gpu.model_runner
+from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.server.launch import running_server, start_server_process
+from pagedserve.server.serving import ServingConfig
 from tests.conftest import chat, engine_config, serve, stats
 
 MSG = [{"role": "user", "content": "Say something."}]
 
 
 async def test_sampler_failure_fails_only_its_request(tiny_model_dir, monkeypatch):
-    real = gpu.model_runner.sample
+    real = pagedserve.gpu.model_runner.sample
 
     def faulty(logits, rows):  # fault injection: the real sampler, except for one marked row
         if any(r.params.seed == 4242 for r in rows):
             raise RuntimeError("injected sampler fault")
         return real(logits, rows)
 
-    monkeypatch.setattr(gpu.model_runner, "sample", faulty)
+    monkeypatch.setattr(pagedserve.gpu.model_runner, "sample", faulty)
     async with serve(tiny_model_dir) as client:
         good = {"messages": MSG, "max_tokens": 30, "ignore_eos": True, "temperature": 0,
                 "return_token_ids": True}

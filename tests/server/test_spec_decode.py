@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from actors.spec_decode import SpeculativeConfig, parse_speculative_config, propose_ngram
+from pagedserve.actors.spec_decode import SpeculativeConfig, parse_speculative_config, propose_ngram
 from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats
 
 REPEAT = ("Repeat this line four times: the quick brown fox jumps over the lazy dog. "
@@ -40,7 +40,7 @@ def test_parse_speculative_config():
 
 
 def test_cli_refuses_a_bad_speculative_config():
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--speculative-config",
+    r = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "serve", "--speculative-config",
                         '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "--speculative-config" in r.stderr and "only 'ngram'" in r.stderr
