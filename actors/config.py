@@ -1,25 +1,36 @@
-"""Scheduler settings, named as vLLM's flags."""
+"""Scheduler settings, named as vLLM's flags.
+
+A field whose metadata has ``help`` is also a ``pagedserve serve`` flag (``server/engine_args.py``
+builds the flags from these fields), so its default lives only here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.spec_decode import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Attributes:
-    max_num_seqs: running requests at most.
-    max_num_batched_tokens: tokens computed in one step at most (prefill chunks + decodes).
-    policy: ``fcfs`` or ``priority`` (request field ``priority``, lower runs earlier).
-    max_waiting_requests: new requests are refused (HTTP 503) while this many wait;
-        ``None`` = unbounded.
-    speculative: n-gram speculative decoding (``--speculative-config``); ``None`` = off.
-    """
+    """How many requests run, how much one step computes, who goes first."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
-    max_waiting_requests: int | None = None
-    speculative: SpeculativeConfig | None = None
+    max_num_seqs: int = field(default=256, metadata={"help": "running requests at most"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "tokens computed in one step at most (prefill chunks + decodes; chunked "
+                "prefill splits longer prompts)",
+    })
+    policy: str = field(default="fcfs", metadata={
+        "help": "fcfs, or priority (request field `priority`, lower runs earlier)",
+        "flag": "--scheduling-policy", "choices": ("fcfs", "priority"),
+    })
+    max_waiting_requests: int | None = field(default=None, metadata={
+        "help": "refuse new requests with 503 while this many wait", "default_text": "no limit",
+    })
+    speculative: SpeculativeConfig | None = field(default=None, metadata={
+        "help": 'n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                '"disable_by_batch_size": 8}\'',
+        "flag": "--speculative-config", "parse": parse_speculative_config,
+        "default_text": "off",
+    })

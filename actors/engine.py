@@ -294,9 +294,8 @@ class AsyncEngine:
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.scheduler.send(GetStats(reply))
         stats = await reply
-        stats["model"] = {"name": self.info.served_name, "path": self.info.path,
-                          "dtype": self.info.dtype, "device": self.info.device,
-                          "quantization": self.info.quantization,
+        stats["model"] = {"path": self.info.path, "dtype": self.info.dtype,
+                          "device": self.info.device, "quantization": self.info.quantization,
                           "max_model_len": self.info.max_model_len}
         stats["config"] = self.effective_config()
         stats["time"] = time.time()

@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -91,12 +91,17 @@ class GrammarError(ValueError):
 @dataclass(slots=True)
 class StructuredOutputConfig:
     """Attributes:
-    compile_timeout_s: longest a request waits for its grammar to compile before a 400.
+    compile_timeout_s: longest a request waits for its grammar to compile before a 400 (the
+        ``--structured-output-compile-timeout`` flag; its ``help`` metadata makes it one).
     cache_size: compiled grammars kept (LRU).
     num_compile_threads: threads compiling grammars (and xgrammar's threads per compile).
     """
 
-    compile_timeout_s: float = 5.0
+    compile_timeout_s: float = field(default=5.0, metadata={
+        "help": "seconds a guided-decoding grammar may take to compile before the request "
+                "gets a 400",
+        "flag": "--structured-output-compile-timeout",
+    })
     cache_size: int = 256
     num_compile_threads: int = 2
 

@@ -1,54 +1,70 @@
-"""Engine settings that the device side needs (model, dtype, KV cache)."""
+"""Engine settings that the device side needs (model, dtype, KV cache).
+
+A field whose metadata has ``help`` is also a ``pagedserve serve`` flag (``server/engine_args.py``
+builds the flags from these fields: name, default, type, help), so its default lives only here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # 2 GiB: ~2,900 blocks of SmolLM2-135M in float32
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """What to load and how.
+    """What to load and how."""
 
-    Attributes:
-        model: ``.gguf`` file, local Hugging Face directory, hub id, or ``None`` for the
-            embedded SmolLM2-135M-Instruct.
-        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
-        max_model_len: context limit in tokens (prompt + output); ``None`` = the model's.
-        seed: global seed for requests without their own.
-        device: ``cuda`` or ``cpu``; ``None`` picks CUDA when present.
-        enforce_eager: on CUDA, run every step eagerly (no CUDA graphs for decode steps).
-        quantization: ``gguf`` keeps a GGUF model's Q4_0/Q4_1/Q8_0 weights quantized (CPU);
-            ``none`` de-quantizes them at load; ``None`` = ``gguf`` for a GGUF model on a CPU
-            whose kernels build, else ``none``.
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    device: str | None = None
-    enforce_eager: bool = False
-    quantization: str | None = None
+    model: str | None = field(default=None, metadata={
+        "help": "same as the positional MODEL: a .gguf file, a Hugging Face folder or hub id",
+        "default_text": "the embedded SmolLM2-135M-Instruct",
+    })
+    dtype: str = field(default="auto", metadata={
+        "help": "activations, KV cache and weights not kept quantized (see --quantization); "
+                "auto = bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32",
+        "choices": ("auto", "float32", "bfloat16", "float16"),
+    })
+    quantization: str | None = field(default=None, metadata={
+        "help": "gguf: keep a .gguf model's Q4_0/Q4_1/Q8_0 weights quantized and multiply them "
+                "in place, in float32 (CPU only; refused elsewhere and for non-GGUF models); "
+                "none: de-quantize to --dtype at load",
+        "choices": ("gguf", "none"), "aliases": ("-q",),
+        "default_text": "gguf for a .gguf model on the CPU, else none",
+    })
+    seed: int = field(default=0, metadata={"help": "global seed for requests without their own"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length in tokens (prompt + output)", "default_text": "the model's",
+    })
+    device: str | None = field(default=None, metadata={
+        "help": "device", "choices": ("cpu", "cuda"), "default_text": "CUDA when present",
+    })
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly, no CUDA graphs for decode steps",
+    })
 
 
 @dataclass(slots=True)
 class CacheConfig:
-    """KV cache sizing. Exactly one budget applies: the override, else the device's budget.
+    """KV cache sizing. Exactly one budget applies: the override, else the device's budget."""
 
-    Attributes:
-        block_size: tokens per KV block.
-        kv_cache_memory_bytes: KV budget on the CPU (bytes).
-        gpu_memory_utilization: share of GPU memory the engine may use on CUDA.
-        num_gpu_blocks_override: force this many blocks (tests use it to force preemption).
-        enable_prefix_caching: share the KV blocks of common prompt prefixes.
-        prefix_caching_hash_algo: ``sha256`` or ``xxhash`` (128-bit) block hashes.
-    """
-
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
+    block_size: int = field(default=16, metadata={
+        "help": "tokens per KV block", "choices": (8, 16, 32, 64, 128),
+    })
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV cache budget in bytes (on CUDA too, in place of --gpu-memory-utilization)",
+        "default_text": f"{DEFAULT_CPU_KV_CACHE_BYTES / 1024**3:g} GiB on the CPU",
+    })
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "share of GPU memory the engine may use (CUDA)",
+    })
+    # Tests also use it to force preemption.
+    num_gpu_blocks_override: int | None = field(default=None, metadata={
+        "help": "force this many KV blocks",
+    })
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "share the KV blocks of common prompt prefixes",
+    })
+    prefix_caching_hash_algo: str = field(default="sha256", metadata={
+        "help": "block hash for prefix caching (xxhash: 128-bit xxh3, faster)",
+        "choices": ("sha256", "xxhash"),
+    })

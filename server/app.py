@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.admin import admin_routes
+from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.middleware import RequestGuard
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -21,8 +22,6 @@ from pagedserve.server.request_body import parse_body
 from pagedserve.server.serving import Serving, ServingConfig
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
 def _version() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -22,22 +22,13 @@ from pagedserve.actors.engine import AsyncEngine, RequestStream
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.structured_output import GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import ResponseBuilder, collect, sse_events, until_disconnect
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class ServingConfig:
-    served_model_name: str
-    chat_template: str | None = None
-    scheduling_policy: str = "fcfs"
-    enable_log_requests: bool = False
-    api_key: str | None = None  # the admin routes fall back to it when no admin key is set
-    admin_key: str | None = None  # guards /admin/stats, /admin/events and /metrics
 
 
 def request_id_from(request: Request, prefix: str) -> str:
@@ -114,7 +105,7 @@ class Serving:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: _SamplingBody,
     ) -> list[RequestStream]:
         """Queue ``n`` engine requests; all accepted, or none kept and an HTTP error raised."""
-        if body.priority != 0 and self.config.scheduling_policy != "priority":
+        if body.priority != 0 and self.engine.config.scheduler.policy != "priority":
             raise OpenAIError(
                 "priority is only honoured with --scheduling-policy priority", param="priority"
             )

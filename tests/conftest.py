@@ -112,7 +112,7 @@ async def serve(model_dir: Path, name: str = TINY_NAME, app_kwargs: dict | None 
     config = engine_config(model_dir, **kw)
     engine = await AsyncEngine.start(config)
     try:
-        serving = serving or ServingConfig(name, scheduling_policy=config.scheduler.policy)
+        serving = serving or ServingConfig(name)
         async with running_server(engine, serving, **(app_kwargs or {})) as url:
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 yield client

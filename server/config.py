@@ -1,0 +1,62 @@
+"""The server's own settings: what the HTTP layer serves (``ServingConfig``) and how the process
+listens and stops (``ServerConfig``).
+
+Each field with a ``help`` in its metadata is a ``pagedserve serve`` flag; ``engine_args`` builds
+the flags from these fields and from the engine's config dataclasses (the metadata keys are
+described there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.gpu.loader import EMBEDDED_SERVED_NAME
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServingConfig:
+    """What the OpenAI routes serve and who may call them. ``served_model_name`` is the name
+    clients send as ``model``; the CLI resolves its default once the model is loaded."""
+
+    served_model_name: str = field(metadata={
+        "help": "name clients send as `model`",
+        "default_text": f"{EMBEDDED_SERVED_NAME} for the embedded model, else the model as given",
+    })
+    chat_template: str | None = field(default=None, metadata={
+        "help": "Jinja chat template (file path or inline) overriding the tokenizer's",
+        "default_text": "the tokenizer's",
+    })
+    enable_log_requests: bool = field(default=False, metadata={
+        "help": "log prompt and output text (never logged otherwise)",
+    })
+    # The admin routes fall back to the API key when no admin key is set.
+    api_key: str | None = field(default=None, metadata={
+        "help": "require `Authorization: Bearer <key>` on every route but /health",
+        "env": "PAGEDSERVE_API_KEY",
+        "default_text": "$PAGEDSERVE_API_KEY, else none",
+    })
+    admin_key: str | None = field(default=None, metadata={
+        "help": "bearer key for /admin/stats, /admin/events and /metrics; unset = the API key, "
+                "if any, else open",
+        "env": "PAGEDSERVE_ADMIN_KEY",
+        "default_text": "$PAGEDSERVE_ADMIN_KEY",
+    })
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Where the process listens, how much it reads, how it stops and what it logs."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    max_request_body_bytes: int = field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata={
+        "help": "larger request bodies get 413",
+    })
+    shutdown_timeout: float = field(default=10.0, metadata={
+        "help": "seconds running requests may take to finish after SIGTERM",
+    })
+    log_level: str = field(default="info", metadata={
+        "help": "log level", "choices": ("debug", "info", "warning", "error"),
+    })

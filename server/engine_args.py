@@ -1,0 +1,153 @@
+"""``pagedserve serve``'s flags, built from the config dataclasses' fields (the idea of vLLM's
+``EngineArgs.add_cli_args`` in ``vllm/engine/arg_utils.py``): a new flag is one field.
+
+A field is a flag when its ``metadata`` has ``help``; its default is the field's default, its
+type the field's annotation (``int``, ``float``, ``str``; ``X | None`` is ``X``). A ``bool``
+field is a switch: ``--x`` when off by default, ``--x/--no-x`` when on by default (else it could
+not be turned off). Other metadata keys:
+
+``flag``
+    the option when it is not ``--`` + the field's name with dashes (``--scheduling-policy``);
+    the parsed value is ``args.<option with underscores>`` either way.
+``aliases``
+    more option strings (``("-q",)``).
+``choices``
+    the values accepted.
+``parse``
+    ``str -> value``; a ``ValueError`` it raises is the usage error's message.
+``env``
+    an environment variable whose value, when set, is the default (read when the parser is
+    built).
+``default_text``
+    how ``--help`` and the README show a default that is not a plain value ("the model's").
+
+``--help`` ends every flag's help with ``(default: X)``; the README's flag table shows the same
+``X`` (``tests/server/test_cli.py`` holds them equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from dataclasses import MISSING, Field, dataclass, fields
+from typing import Any, TypeVar
+
+from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.engine import EngineConfig
+from pagedserve.actors.structured_output import StructuredOutputConfig
+from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.server.config import ServerConfig, ServingConfig
+
+# Every dataclass that has flags, in --help's order (one argument group each).
+FLAG_CONFIGS: tuple[type, ...] = (
+    ModelConfig, CacheConfig, SchedulerConfig, StructuredOutputConfig, ServingConfig, ServerConfig,
+)
+
+C = TypeVar("C")
+
+
+@dataclass(slots=True, frozen=True)
+class Flag:
+    """One field as a flag: ``option`` (``--block-size``), ``dest`` (``block_size``)."""
+
+    field: Field
+    type: Any  # the annotation, ``None`` unwrapped
+    option: str
+    dest: str
+
+    @property
+    def default(self) -> Any:
+        """The parser's default: the environment variable's value when set, else the field's
+        (``None`` for a field without one, whose value is resolved at start-up)."""
+        default = None if self.field.default is MISSING else self.field.default
+        env = self.field.metadata.get("env")
+        return os.environ.get(env, default) if env else default
+
+    def shown_default(self) -> str:
+        """The ``X`` of ``(default: X)``."""
+        meta = self.field.metadata
+        if "default_text" in meta:
+            return meta["default_text"]
+        default = self.field.default
+        if isinstance(default, bool):
+            return "on" if default else "off"
+        return "none" if default is None or default is MISSING else str(default)
+
+
+def flags_of(cls: type) -> list[Flag]:
+    """The fields of ``cls`` that are flags, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        if "help" not in f.metadata:
+            continue
+        option = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        out.append(Flag(f, _unwrap_optional(hints[f.name]), option,
+                        option.lstrip("-").replace("-", "_")))
+    return out
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add the flags of ``cls`` to ``parser``, in a group named after it."""
+    group = parser.add_argument_group(cls.__name__)
+    for flag in flags_of(cls):
+        meta = flag.field.metadata
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": flag.default}
+        if flag.type is bool:
+            kwargs["action"] = (argparse.BooleanOptionalAction if flag.field.default
+                                else "store_true")
+        elif "parse" in meta:
+            kwargs["type"] = _usage_errors(meta["parse"])
+        elif flag.type in (int, float):
+            kwargs["type"] = flag.type
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        action = group.add_argument(flag.option, *meta.get("aliases", ()), **kwargs)
+        # Set after: BooleanOptionalAction would append a "(default: True)" of its own.
+        action.help = f"{meta['help']} (default: {flag.shown_default()})".replace("%", "%%")
+
+
+def _usage_errors(parse: typing.Callable[[str], Any]) -> typing.Callable[[str], Any]:
+    """``parse`` with its ``ValueError`` turned into a usage error that shows its message."""
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse_flag.__name__ = parse.__name__
+    return parse_flag
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of every config in ``FLAG_CONFIGS``."""
+    for cls in FLAG_CONFIGS:
+        add_config_flags(parser, cls)
+
+
+def from_args(cls: type[C], args: argparse.Namespace, **resolved: Any) -> C:
+    """``cls`` from its flags' parsed values; ``resolved`` sets fields the CLI works out
+    itself (the model from the positional MODEL, the served name once the model is loaded)."""
+    values = {flag.field.name: getattr(args, flag.dest) for flag in flags_of(cls)}
+    return cls(**(values | resolved))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from parsed ``serve`` flags (``--model`` wins over MODEL)."""
+    return EngineConfig(
+        model=from_args(ModelConfig, args, model=args.model or args.model_tag),
+        cache=from_args(CacheConfig, args),
+        scheduler=from_args(SchedulerConfig, args),
+        structured_output=from_args(StructuredOutputConfig, args),
+    )
