@@ -31,6 +31,7 @@ import argparse
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, TypeVar
 
@@ -117,7 +118,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         action.help = f"{meta['help']} (default: {flag.shown_default()})".replace("%", "%%")
 
 
-def _usage_errors(parse: typing.Callable[[str], Any]) -> typing.Callable[[str], Any]:
+def _usage_errors(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse`` with its ``ValueError`` turned into a usage error that shows its message."""
 
     def parse_flag(text: str) -> Any:
