@@ -37,12 +37,19 @@ from pagedserve.actors.messages import (
     GrammarReady,
     ResetPrefixCache,
 )
-from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from pagedserve.actors.request import (
+    FINISH_REASONS,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    check_stop,
+)
 from pagedserve.actors.request_queue import make_request_queue
-from pagedserve.actors.spec_decode import can_speculate, propose_ngram
+from pagedserve.actors.spec_decode import NgramProposer, num_accepted
 from pagedserve.actors.stats import StatLogger, StepHistory, StepStats, request_row
 from pagedserve.actors.structured_output import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.gpu.sampler import TokenLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +66,8 @@ class Scheduler(Actor):
         self.kv = kv_cache_manager
         self.executor = executor
         self.max_model_len = max_model_len
+        spec = config.speculative
+        self.spec = NgramProposer(spec, max_model_len) if spec is not None else None
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -224,43 +233,63 @@ class Scheduler(Actor):
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The step's batch, under ``max_num_batched_tokens`` and ``max_num_seqs``: the running
+        requests first, then admissions from the waiting queue with what budget is left."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
         if self.config.policy == "priority":
             # Best first, so the victim of preemption is always the last running request.
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             self._preempt_for_priority(budget)
-        preempted = False
-        spec = self.config.speculative
-        if spec is not None and (spec.disable_by_batch_size is not None
-                                 and len(self.running) > spec.disable_by_batch_size):
-            spec = None
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        scheduled, preempted = self._schedule_running(budget)
+        if not preempted:  # a step that had to preempt is short of blocks: admit nobody
+            budget -= sum(sr.num_step_tokens for sr in scheduled)
+            scheduled += self._schedule_waiting(budget)
+        so = SchedulerOutput(scheduled, self.finished_req_ids)
+        so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
+            scheduled, self.requests)
+        self.finished_req_ids = set()
+        return so
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], list[Request]]:
+        """Each running request in order gets its next prefill chunk or its decode (with
+        drafts when speculating), preempting from the tail of ``running`` when blocks run out.
+        Returns the scheduled requests and the ones preempted for them."""
+        spec = self.spec if self.spec is not None and self.spec.enabled(len(self.running)) else None
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if budget <= 0 or request.status != RequestStatus.RUNNING:
+                break  # out of budget, or preempted for the ones before it (and so the rest)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget - n) if spec is not None and n == 1 else []
+            drafts = spec.propose(request, budget - n) if spec is not None and n == 1 else []
             if drafts and self.kv.allocate_slots(request, n + len(drafts)) is None:
                 drafts = []  # no blocks for guesses: never preempt anyone for them
-            while self.kv.allocate_slots(request, n + len(drafts)) is None:
-                victim = self.running.pop()  # the latest arrived
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                sr = self._scheduled(request, n)
-                sr.spec_token_ids = drafts
-                scheduled.append(sr)
-                budget -= n + len(drafts)
-                i += 1
-                continue
-            break
-        # No admissions in a step that had to preempt: the blocks are short.
-        while (
-            self.waiting and budget > 0 and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
+            if not drafts and not self._allocate_or_preempt(request, n, preempted):
+                break  # it preempted itself: nothing after it is left running
+            sr = self._scheduled(request, n)
+            sr.spec_token_ids = drafts
+            scheduled.append(sr)
+            budget -= sr.num_step_tokens
+        return scheduled, preempted
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
+        """Take blocks for ``n`` more tokens of a running request, preempting the latest-arrived
+        (under priority: the worst) running request until they fit. Victims are appended to
+        ``preempted``; ``False`` when ``request`` itself had to go."""
+        while self.kv.allocate_slots(request, n) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
+        """Admit waiting requests in queue order while seats, budget and blocks last, the last
+        one taking a partial chunk (chunked prefill). The first that does not fit stops the
+        admissions: nobody overtakes the head of the queue."""
+        scheduled: list[ScheduledRequest] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit_tokens, budget)
@@ -276,27 +305,7 @@ class Scheduler(Actor):
                 sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
             scheduled.append(sr)
             budget -= n
-        so = SchedulerOutput(scheduled, self.finished_req_ids)
-        so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
-            scheduled, self.requests)
-        self.finished_req_ids = set()
-        return so
-
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """n-gram drafts for a decode, capped by the step's budget, the output tokens still
-        allowed and the context length; ``[]`` when the request cannot be speculated."""
-        spec = self.config.speculative
-        params = request.sampling_params
-        if spec is None or not can_speculate(params, request.structured_output is not None):
-            return []
-        room = min(spec.num_speculative_tokens, budget,
-                   self.max_model_len - request.num_tokens - 1)
-        if params.max_tokens is not None:  # the last sampled token is the +1 of the step
-            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
-        if room <= 0:
-            return []
-        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_max,
-                             spec.prompt_lookup_min)
+        return scheduled
 
     def _preempt_for_priority(self, budget: int) -> None:
         """A waiting request of strictly higher priority (lower value) than the worst running
@@ -329,51 +338,42 @@ class Scheduler(Actor):
         )
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Advance each scheduled request by what the step computed and hand it its tokens."""
         self.num_steps += 1
         self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
         for sr in so.scheduled:
             request = self.requests.get(sr.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue
+                continue  # ended since it was scheduled (it failed alone in _execute_isolated)
             new = out.sampled_token_ids.get(sr.req_id)
-            # With drafts, the K/V of the last token and of the accepted drafts is valid:
-            # one fewer than the tokens sampled (the last of them is not computed yet).
-            accepted = len(new) - 1 if sr.spec_token_ids and new else 0
+            accepted = num_accepted(sr, new)
             request.num_computed_tokens += len(sr.token_ids) + accepted
             if sr.spec_token_ids:
                 self.num_draft_tokens += len(sr.spec_token_ids)
                 self.num_accepted_tokens += accepted
-            if not new:
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = now
-            status = None
-            for i, token in enumerate(new):  # with drafts, a stop among them ends the output
-                request.output_token_ids.append(token)
-                status = advance(request, [token]) or self._check_stop(request)
-                if status is not None:
-                    new = new[: i + 1]
-                    break
-            self.kv.update_block_hashes(request)
-            if status is not None:
-                self._finish(request, status)
-            request.output_queue.put_nowait(RequestOutput(
-                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
+            if new:
+                self._append_output(request, new, out.logprobs.get(sr.req_id), now)
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if len(request.output_token_ids) >= params.min_tokens and (
-            (not params.ignore_eos and last in request.eos_token_ids)
-            or last in params.stop_token_ids
-        ):
-            return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _append_output(
+        self, request: Request, new: list[int], logprobs: list[TokenLogprobs] | None, now: float,
+    ) -> None:
+        """Append sampled tokens up to the first that ends the request (with drafts, a stop
+        may come before the last), finish it if so, and push them to its queue."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        status = None
+        for i, token in enumerate(new):
+            request.output_token_ids.append(token)
+            status = advance(request, [token]) or check_stop(request, self.max_model_len)
+            if status is not None:
+                new = new[: i + 1]
+                break
+        self.kv.update_block_hashes(request)
+        if status is not None:
+            self._finish(request, status)
+        request.output_queue.put_nowait(
+            RequestOutput(new, FINISH_REASONS.get(status), logprobs=logprobs))
 
     # -- stats ------------------------------------------------------------------------------
 
