@@ -91,21 +91,3 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-
-def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
-    """Whether the request's last output token ends it: EOS or a stop token id (once
-    ``min_tokens`` exist), ``max_tokens`` reached, or the context full; else ``None``.
-    Stop strings need text: the detokenizer matches them."""
-    params = request.sampling_params
-    last = request.output_token_ids[-1]
-    if len(request.output_token_ids) >= params.min_tokens and (
-        (not params.ignore_eos and last in request.eos_token_ids)
-        or last in params.stop_token_ids
-    ):
-        return RequestStatus.FINISHED_STOPPED
-    if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None

@@ -3,17 +3,13 @@
 Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its core):
 
 1. drain the mailbox (new requests, aborts, stats queries);
-2. ``schedule()``: under ``max_num_batched_tokens`` and ``max_num_seqs``, running requests
-   first (decodes and unfinished prefill chunks), then waiting ones, the last admitted prompt
-   taking what budget is left (chunked prefill). Out of blocks → preempt the latest-arrived
-   running request by recompute (it goes back to the front of the waiting queue);
+2. ``schedule()``: the batch ``StepPlanner`` decides under ``max_num_batched_tokens`` and
+   ``max_num_seqs`` (running requests first, then admissions; preemption by recompute when
+   the blocks run out: ``actors/step_planner.py``);
 3. send the batch to the executor actor and await its reply;
-4. ``update_from_output()``: append sampled tokens, finish requests, free their blocks and push
-   each request's new tokens to its queue.
-
-With ``--speculative-config`` a decode may carry n-gram drafts (``actors/spec_decode.py``): the
-step computes the last token and the drafts, and ``num_computed_tokens`` then advances by the
-tokens accepted plus one; the K/V written for rejected drafts lies past it and is overwritten.
+4. ``update_from_output()``: advance ``num_computed_tokens`` (with n-gram drafts, by the
+   accepted ones plus one: ``actors/spec_decode.py``), append sampled tokens, finish requests,
+   free their blocks and push each request's new tokens to its queue.
 """
 
 from __future__ import annotations
@@ -37,19 +33,13 @@ from pagedserve.actors.messages import (
     GrammarReady,
     ResetPrefixCache,
 )
-from pagedserve.actors.request import (
-    FINISH_REASONS,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    check_stop,
-)
+from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from pagedserve.actors.request_queue import make_request_queue
-from pagedserve.actors.spec_decode import NgramProposer, num_accepted
+from pagedserve.actors.spec_decode import num_accepted
 from pagedserve.actors.stats import StatLogger, StepHistory, StepStats, request_row
+from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.actors.structured_output import advance, grammar_bitmask
-from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -66,10 +56,10 @@ class Scheduler(Actor):
         self.kv = kv_cache_manager
         self.executor = executor
         self.max_model_len = max_model_len
-        spec = config.speculative
-        self.spec = NgramProposer(spec, max_model_len) if spec is not None else None
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
+        self.planner = StepPlanner(config, kv_cache_manager, self.waiting, self.running,
+                                   self._preempt, max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
@@ -233,147 +223,59 @@ class Scheduler(Actor):
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """The step's batch, under ``max_num_batched_tokens`` and ``max_num_seqs``: the running
-        requests first, then admissions from the waiting queue with what budget is left."""
-        budget = self.config.max_num_batched_tokens
-        if self.config.policy == "priority":
-            # Best first, so the victim of preemption is always the last running request.
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-            self._preempt_for_priority(budget)
-        scheduled, preempted = self._schedule_running(budget)
-        if not preempted:  # a step that had to preempt is short of blocks: admit nobody
-            budget -= sum(sr.num_step_tokens for sr in scheduled)
-            scheduled += self._schedule_waiting(budget)
+        """The step's batch (``StepPlanner.plan``), the ids that ended since the last step, and
+        the grammar bitmask of the guided requests that sample in it."""
+        scheduled = self.planner.plan()
         so = SchedulerOutput(scheduled, self.finished_req_ids)
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
             scheduled, self.requests)
         self.finished_req_ids = set()
         return so
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], list[Request]]:
-        """Each running request in order gets its next prefill chunk or its decode (with
-        drafts when speculating), preempting from the tail of ``running`` when blocks run out.
-        Returns the scheduled requests and the ones preempted for them."""
-        spec = self.spec if self.spec is not None and self.spec.enabled(len(self.running)) else None
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
-        for request in list(self.running):
-            if budget <= 0 or request.status != RequestStatus.RUNNING:
-                break  # out of budget, or preempted for the ones before it (and so the rest)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = spec.propose(request, budget - n) if spec is not None and n == 1 else []
-            if drafts and self.kv.allocate_slots(request, n + len(drafts)) is None:
-                drafts = []  # no blocks for guesses: never preempt anyone for them
-            if not drafts and not self._allocate_or_preempt(request, n, preempted):
-                break  # it preempted itself: nothing after it is left running
-            sr = self._scheduled(request, n)
-            sr.spec_token_ids = drafts
-            scheduled.append(sr)
-            budget -= sr.num_step_tokens
-        return scheduled, preempted
-
-    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
-        """Take blocks for ``n`` more tokens of a running request, preempting the latest-arrived
-        (under priority: the worst) running request until they fit. Victims are appended to
-        ``preempted``; ``False`` when ``request`` itself had to go."""
-        while self.kv.allocate_slots(request, n) is None:
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is request:
-                return False
-        return True
-
-    def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
-        """Admit waiting requests in queue order while seats, budget and blocks last, the last
-        one taking a partial chunk (chunked prefill). The first that does not fit stops the
-        admissions: nobody overtakes the head of the queue."""
-        scheduled: list[ScheduledRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, n, hits) is None:
-                break
-            self.kv.record_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            sr = self._scheduled(request, n)
-            if num_hit_tokens:  # the runner never saw the cached prefix's tokens
-                sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
-            scheduled.append(sr)
-            budget -= n
-        return scheduled
-
-    def _preempt_for_priority(self, budget: int) -> None:
-        """A waiting request of strictly higher priority (lower value) than the worst running
-        one takes its place when the batch is full or the blocks are short."""
-        if not self.waiting:
-            return
-        head = self.waiting.peek()
-        need = self.kv.num_blocks_needed(min(head.num_tokens, budget))
-        while self.running and head.priority < self.running[-1].priority:
-            seats_full = len(self.running) >= self.config.max_num_seqs
-            blocks_short = need > self.kv.block_pool.get_num_free_blocks()
-            if not (seats_full or blocks_short):
-                return
-            self._preempt(self.running.pop())
-
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        if n == 1 and start == request.num_tokens - 1 and request.output_token_ids:
-            token_ids = request.output_token_ids[-1:]  # a decode: skip building all_token_ids
-        else:
-            token_ids = request.all_token_ids[start : start + n]
-        return ScheduledRequest(
-            req_id=request.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            sampling_params=request.sampling_params,
-            sample=start + n == request.num_tokens,
-            num_prompt_tokens=request.num_prompt_tokens,
-        )
-
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Advance each scheduled request by what the step computed and hand it its tokens."""
         self.num_steps += 1
         self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
         for sr in so.scheduled:
             request = self.requests.get(sr.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # ended since it was scheduled (it failed alone in _execute_isolated)
+                continue
             new = out.sampled_token_ids.get(sr.req_id)
-            accepted = num_accepted(sr, new)
+            accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
             request.num_computed_tokens += len(sr.token_ids) + accepted
             if sr.spec_token_ids:
                 self.num_draft_tokens += len(sr.spec_token_ids)
                 self.num_accepted_tokens += accepted
-            if new:
-                self._append_output(request, new, out.logprobs.get(sr.req_id), now)
-
-    def _append_output(
-        self, request: Request, new: list[int], logprobs: list[TokenLogprobs] | None, now: float,
-    ) -> None:
-        """Append sampled tokens up to the first that ends the request (with drafts, a stop
-        may come before the last), finish it if so, and push them to its queue."""
-        if request.first_token_time is None:
-            request.first_token_time = now
-        status = None
-        for i, token in enumerate(new):
-            request.output_token_ids.append(token)
-            status = advance(request, [token]) or check_stop(request, self.max_model_len)
+            if not new:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = None
+            for i, token in enumerate(new):  # with drafts, a stop among them ends the output
+                request.output_token_ids.append(token)
+                status = advance(request, [token]) or self._check_stop(request)
+                if status is not None:
+                    new = new[: i + 1]
+                    break
+            self.kv.update_block_hashes(request)
             if status is not None:
-                new = new[: i + 1]
-                break
-        self.kv.update_block_hashes(request)
-        if status is not None:
-            self._finish(request, status)
-        request.output_queue.put_nowait(
-            RequestOutput(new, FINISH_REASONS.get(status), logprobs=logprobs))
+                self._finish(request, status)
+            request.output_queue.put_nowait(RequestOutput(
+                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if len(request.output_token_ids) >= params.min_tokens and (
+            (not params.ignore_eos and last in request.eos_token_ids)
+            or last in params.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     # -- stats ------------------------------------------------------------------------------
 

@@ -173,7 +173,7 @@ def test_a_step_that_preempted_admits_nobody_even_if_the_head_would_fit():
     c = req("c", 8, priority=1, arrival=3)  # two blocks
     add(sched, a, b, c)
     step(sched)
-    add(sched, d := req("d", 2, priority=1, arrival=0.5))  # ahead of c in the queue
+    add(sched, req("d", 2, priority=1, arrival=0.5))  # ahead of c in the queue
     so = step(sched)  # a takes the last free block; b's preempts c, which frees two
     assert sizes(so) == {"a": 1, "b": 1} and c.status == RequestStatus.PREEMPTED
     assert kv.block_pool.get_num_free_blocks() == 1  # d (one block) would fit: not this step
