@@ -12,8 +12,8 @@ speculated: greedy, no penalties, no ``min_tokens``, no logprobs, no grammar. Th
 one token per step as before, in the same batch.
 
 The scheduler's side is two calls: ``NgramProposer.propose`` gives a decode its drafts (the
-scheduler takes blocks for them only when they are free: a guess never preempts anyone), and
-``num_accepted`` reads how many of them the runner kept. ``num_computed_tokens`` advances by
+step planner takes blocks for them only when they are free: a guess never preempts anyone),
+and ``num_accepted`` reads how many of them the runner kept. ``num_computed_tokens`` advances by
 the accepted drafts plus one; the K/V written for rejected drafts lies past it, in blocks the
 request keeps, and is overwritten by the next step: rollback costs nothing.
 """
