@@ -7,8 +7,9 @@ under one token budget (``max_num_batched_tokens``) and a cap on running request
 
 1. **Running requests**, in order: each gets its next prefill chunk or its decode, a decode
    also n-gram drafts when speculating (``actors/spec_decode.py``). When the blocks run out,
-   the latest-arrived running request (under ``priority``: the worst) is preempted by
-   recompute: its blocks go, its tokens stay, and it returns to the front of the waiting queue.
+   the last running request (the latest admitted; under ``priority``, the worst) is preempted
+   by recompute: its blocks go, its tokens stay, and it returns to the front of the waiting
+   queue.
 2. **Waiting requests**, in queue order, unless pass 1 preempted (then the blocks are short):
    each admitted after a prefix-cache lookup, the last one taking what budget is left
    (chunked prefill). The first that does not fit ends the pass: nobody overtakes the head.
@@ -87,7 +88,7 @@ class StepPlanner:
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         """Take blocks for ``n`` more tokens of a running request, preempting the last running
-        request (the latest arrived; under priority, the worst) until they fit. Victims are
+        request (the latest admitted; under priority, the worst) until they fit. Victims are
         appended to ``preempted``; ``False`` when ``request`` itself had to go."""
         while self.kv.allocate_slots(request, n) is None:
             victim = self.running.pop()
