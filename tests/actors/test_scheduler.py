@@ -254,6 +254,18 @@ def test_drafts_share_the_step_budget_and_leave_none_for_admissions():
     assert so.total_num_scheduled_tokens == 3
 
 
+def test_drafts_count_against_the_budget_of_the_running_requests_after_them():
+    sched, kv = make(spec=NGRAM, budget=6)
+    c, e = req("c", [5, 6, 7, 8, 5, 6]), req("e", 20)
+    add(sched, c, e)
+    step(sched)  # c's prompt takes the whole budget
+    step(sched, {"c": [8, 5, 6, 7]})  # 1 + 3 drafts, all accepted; e admitted with the 2 left
+    so = sched.schedule()  # "6 7" recurs again: 8 5 6
+    assert [(sr.req_id, len(sr.token_ids), sr.spec_token_ids) for sr in so.scheduled] == [
+        ("c", 1, [8, 5, 6]), ("e", 2, [])]
+    assert so.total_num_scheduled_tokens == 6
+
+
 def test_drafts_never_preempt_and_are_dropped_when_their_blocks_are_short():
     sched, kv = make(num_blocks=3, spec=NGRAM)
     a = req("a", [5, 6, 7, 8, 5, 6])  # two blocks; the decode at position 6 fits the second
