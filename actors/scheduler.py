@@ -3,17 +3,13 @@
 Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its core):
 
 1. drain the mailbox (new requests, aborts, stats queries);
-2. ``schedule()``: under ``max_num_batched_tokens`` and ``max_num_seqs``, running requests
-   first (decodes and unfinished prefill chunks), then waiting ones, the last admitted prompt
-   taking what budget is left (chunked prefill). Out of blocks → preempt the latest-arrived
-   running request by recompute (it goes back to the front of the waiting queue);
+2. ``schedule()``: the batch ``StepPlanner`` decides under ``max_num_batched_tokens`` and
+   ``max_num_seqs`` (running requests first, then admissions; preemption by recompute when
+   the blocks run out: ``actors/step_planner.py``);
 3. send the batch to the executor actor and await its reply;
-4. ``update_from_output()``: append sampled tokens, finish requests, free their blocks and push
-   each request's new tokens to its queue.
-
-With ``--speculative-config`` a decode may carry n-gram drafts (``actors/spec_decode.py``): the
-step computes the last token and the drafts, and ``num_computed_tokens`` then advances by the
-tokens accepted plus one; the K/V written for rejected drafts lies past it and is overwritten.
+4. ``update_from_output()``: advance ``num_computed_tokens`` (with n-gram drafts, by the
+   accepted ones plus one: ``actors/spec_decode.py``), append sampled tokens, finish requests,
+   free their blocks and push each request's new tokens to its queue.
 """
 
 from __future__ import annotations
@@ -39,10 +35,11 @@ from pagedserve.actors.messages import (
 )
 from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from pagedserve.actors.request_queue import make_request_queue
-from pagedserve.actors.spec_decode import can_speculate, propose_ngram
+from pagedserve.actors.spec_decode import num_accepted
 from pagedserve.actors.stats import StatLogger, StepHistory, StepStats, request_row
+from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.actors.structured_output import advance, grammar_bitmask
-from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +58,8 @@ class Scheduler(Actor):
         self.max_model_len = max_model_len
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
+        self.planner = StepPlanner(config, kv_cache_manager, self.waiting, self.running,
+                                   self._preempt, max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
@@ -224,109 +223,14 @@ class Scheduler(Actor):
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        if self.config.policy == "priority":
-            # Best first, so the victim of preemption is always the last running request.
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-            self._preempt_for_priority(budget)
-        preempted = False
-        spec = self.config.speculative
-        if spec is not None and (spec.disable_by_batch_size is not None
-                                 and len(self.running) > spec.disable_by_batch_size):
-            spec = None
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget - n) if spec is not None and n == 1 else []
-            if drafts and self.kv.allocate_slots(request, n + len(drafts)) is None:
-                drafts = []  # no blocks for guesses: never preempt anyone for them
-            while self.kv.allocate_slots(request, n + len(drafts)) is None:
-                victim = self.running.pop()  # the latest arrived
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                sr = self._scheduled(request, n)
-                sr.spec_token_ids = drafts
-                scheduled.append(sr)
-                budget -= n + len(drafts)
-                i += 1
-                continue
-            break
-        # No admissions in a step that had to preempt: the blocks are short.
-        while (
-            self.waiting and budget > 0 and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, n, hits) is None:
-                break
-            self.kv.record_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            sr = self._scheduled(request, n)
-            if num_hit_tokens:  # the runner never saw the cached prefix's tokens
-                sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
-            scheduled.append(sr)
-            budget -= n
+        """The step's batch (``StepPlanner.plan``), the ids that ended since the last step, and
+        the grammar bitmask of the guided requests that sample in it."""
+        scheduled = self.planner.plan()
         so = SchedulerOutput(scheduled, self.finished_req_ids)
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
             scheduled, self.requests)
         self.finished_req_ids = set()
         return so
-
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """n-gram drafts for a decode, capped by the step's budget, the output tokens still
-        allowed and the context length; ``[]`` when the request cannot be speculated."""
-        spec = self.config.speculative
-        params = request.sampling_params
-        if spec is None or not can_speculate(params, request.structured_output is not None):
-            return []
-        room = min(spec.num_speculative_tokens, budget,
-                   self.max_model_len - request.num_tokens - 1)
-        if params.max_tokens is not None:  # the last sampled token is the +1 of the step
-            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
-        if room <= 0:
-            return []
-        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_max,
-                             spec.prompt_lookup_min)
-
-    def _preempt_for_priority(self, budget: int) -> None:
-        """A waiting request of strictly higher priority (lower value) than the worst running
-        one takes its place when the batch is full or the blocks are short."""
-        if not self.waiting:
-            return
-        head = self.waiting.peek()
-        need = self.kv.num_blocks_needed(min(head.num_tokens, budget))
-        while self.running and head.priority < self.running[-1].priority:
-            seats_full = len(self.running) >= self.config.max_num_seqs
-            blocks_short = need > self.kv.block_pool.get_num_free_blocks()
-            if not (seats_full or blocks_short):
-                return
-            self._preempt(self.running.pop())
-
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        if n == 1 and start == request.num_tokens - 1 and request.output_token_ids:
-            token_ids = request.output_token_ids[-1:]  # a decode: skip building all_token_ids
-        else:
-            token_ids = request.all_token_ids[start : start + n]
-        return ScheduledRequest(
-            req_id=request.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            sampling_params=request.sampling_params,
-            sample=start + n == request.num_tokens,
-            num_prompt_tokens=request.num_prompt_tokens,
-        )
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         self.num_steps += 1
@@ -337,9 +241,7 @@ class Scheduler(Actor):
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             new = out.sampled_token_ids.get(sr.req_id)
-            # With drafts, the K/V of the last token and of the accepted drafts is valid:
-            # one fewer than the tokens sampled (the last of them is not computed yet).
-            accepted = len(new) - 1 if sr.spec_token_ids and new else 0
+            accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
             request.num_computed_tokens += len(sr.token_ids) + accepted
             if sr.spec_token_ids:
                 self.num_draft_tokens += len(sr.spec_token_ids)

@@ -10,6 +10,12 @@ it equals the model's argmax at its position, so the output is the one plain dec
 Only requests whose next token depends on nothing but the logits at its position are
 speculated: greedy, no penalties, no ``min_tokens``, no logprobs, no grammar. The rest decode
 one token per step as before, in the same batch.
+
+The scheduler's side is two calls: ``NgramProposer.propose`` gives a decode its drafts (the
+step planner takes blocks for them only when they are free: a guess never preempts anyone),
+and ``num_accepted`` reads how many of them the runner kept. ``num_computed_tokens`` advances by
+the accepted drafts plus one; the K/V written for rejected drafts lies past it, in blocks the
+request keeps, and is overwritten by the next step: rollback costs nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import json
 from array import array
 from dataclasses import dataclass
 
+from pagedserve.actors.request import Request
+from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampling_params import SamplingParams
 
 
@@ -71,6 +79,43 @@ def can_speculate(params: SamplingParams, wants_grammar: bool) -> bool:
     """Whether drafts for this request can be verified by comparing argmaxes."""
     return (params.greedy and not params.needs_history and params.min_tokens == 0
             and params.logprobs is None and not wants_grammar)
+
+
+class NgramProposer:
+    """Drafts for the scheduler's decodes (vLLM's ``NgramProposer``, without the Numba)."""
+
+    __slots__ = ("config", "max_model_len")
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def enabled(self, num_running: int) -> bool:
+        """Whether this step speculates at all (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, request: Request, budget: int) -> list[int]:
+        """n-gram drafts for a decode of ``request``, capped by ``budget`` (tokens the step has
+        left after the decode itself), the output tokens still allowed and the context length;
+        ``[]`` when the request cannot be speculated."""
+        params = request.sampling_params
+        if not can_speculate(params, request.structured_output is not None):
+            return []
+        room = min(self.config.num_speculative_tokens, budget,
+                   self.max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:  # the last sampled token is the +1 of the step
+            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
+        if room <= 0:
+            return []
+        return propose_ngram(request.all_token_ids, room, self.config.prompt_lookup_max,
+                             self.config.prompt_lookup_min)
+
+
+def num_accepted(sr: ScheduledRequest, sampled: list[int] | None) -> int:
+    """Drafts of ``sr`` the runner accepted: it returns the accepted ones plus one sampled
+    token, so the K/V of the last token and of ``len(sampled) - 1`` drafts is valid."""
+    return len(sampled) - 1 if sr.spec_token_ids and sampled else 0
 
 
 def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
