@@ -24,10 +24,17 @@ from pagedserve.actors.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.executor import Executor
 from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
+from pagedserve.actors.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    GetStats,
+    NotifyWhenIdle,
+    ResetPrefixCache,
+)
 from pagedserve.actors.request import Request, RequestOutput
 from pagedserve.actors.scheduler import Scheduler
-from pagedserve.actors.stats import RequestUpdate, StatLogger
+from pagedserve.actors.stats import EngineStats, RequestUpdate, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output import StructuredOutputConfig, StructuredOutputManager
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
@@ -289,18 +296,14 @@ class AsyncEngine:
         """
         await self.structured_output.compile(spec)
 
-    async def get_stats(self) -> dict[str, Any]:
-        """A snapshot from the scheduler actor, asked by message."""
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    async def get_stats(self) -> EngineStats:
+        """A snapshot from the scheduler actor, asked by message, with the model and the
+        settings in force."""
+        reply: asyncio.Future[StatsSnapshot] = asyncio.get_running_loop().create_future()
         self.scheduler.send(GetStats(reply))
-        stats = await reply
-        stats["model"] = {"name": self.info.served_name, "path": self.info.path,
-                          "dtype": self.info.dtype, "device": self.info.device,
-                          "quantization": self.info.quantization,
-                          "max_model_len": self.info.max_model_len}
-        stats["config"] = self.effective_config()
-        stats["time"] = time.time()
-        return stats
+        snap = await reply
+        return EngineStats(snap.scheduler, snap.kv_cache, snap.steps, snap.throughput,
+                           self.info, self.effective_config(), time.time())
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached block no running request holds; returns how many."""
@@ -311,14 +314,18 @@ class AsyncEngine:
     async def drain(self, timeout: float) -> None:
         """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
         rest (their clients get an error saying the server is shutting down)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            s = (await self.get_stats())["scheduler"]
-            if s["num_running"] + s["num_waiting"] == 0:
-                return
-            await asyncio.sleep(0.05)
-        self.scheduler.send(AbortAll("server shutting down"))
-        await self.get_stats()  # handled after the AbortAll: the requests are gone
+        try:
+            await asyncio.wait_for(self._idle(), timeout)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; 3.10 is supported
+            self.scheduler.send(AbortAll("server shutting down"))
+            await self._idle()  # answered after the AbortAll: the requests are gone
+
+    async def _idle(self) -> None:
+        """Until the scheduler says nothing is running or waiting."""
+        reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(NotifyWhenIdle(reply))
+        await reply
+
     def effective_config(self) -> dict[str, Any]:
         """The settings in force: the flags as given, with what loading resolved (the model
         file, ``auto`` dtype and quantization, default ``max_model_len``, the KV pool's blocks
