@@ -1,9 +1,10 @@
 """The engine as the HTTP layer sees it: start the actors, run one request as a task.
 
-``AsyncEngine.add_request`` + ``RequestStream`` are the *request task* of DESIGN.md: the task
-owns the request's output queue, sends ``AddRequest`` to the scheduler, detokenizes what comes
-back, applies stop strings and, when it stops reading early (client gone, stop string matched),
-sends ``AbortRequest``, so the scheduler frees the blocks before its next step.
+``AsyncEngine.add_request`` + ``RequestStream`` (``actors/request_stream.py``) are the *request
+task* of DESIGN.md: the task owns the request's output queue, sends ``AddRequest`` to the
+scheduler, detokenizes what comes back, applies stop strings and, when it stops reading early
+(client gone, stop string matched), sends ``AbortRequest``, so the scheduler frees the blocks
+before its next step.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.detokenizer import IncrementalDetokenizer
-from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.executor import Executor
 from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.messages import AbortAll, AbortRequest, AddRequest, GetStats, ResetPrefixCache
+from pagedserve.actors.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    GetStats,
+    NotifyWhenIdle,
+    ResetPrefixCache,
+)
 from pagedserve.actors.request import Request, RequestOutput
+from pagedserve.actors.request_stream import GenerationDelta, RequestMetrics, RequestStream
 from pagedserve.actors.scheduler import Scheduler
-from pagedserve.actors.stats import RequestUpdate, StatLogger
+from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output import StructuredOutputConfig, StructuredOutputManager
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
-from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
@@ -44,129 +51,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
-
-
-@dataclass(slots=True)
-class GenerationDelta:
-    """One increment of a request's output.
-
-    Attributes:
-        text: new text (may be empty while a stop string or a multibyte character is pending).
-        token_ids: tokens sampled since the last delta.
-        finish_reason: ``stop``/``length`` on the last delta, else ``None``.
-        num_prompt_tokens, num_output_tokens: usage so far.
-        logprobs: one per token in ``token_ids``, when the request asked for them.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
-
-
-class _Lease:
-    """Whether the scheduler still holds a request; ``release`` aborts it at most once."""
-
-    __slots__ = ("scheduler", "request_id", "live")
-
-    def __init__(self, scheduler: Scheduler, request_id: str):
-        self.scheduler, self.request_id, self.live = scheduler, request_id, True
-
-    def release(self) -> None:
-        if self.live:
-            self.live = False
-            self.scheduler.send(AbortRequest(self.request_id))
-
-
-class _RequestMetrics:
-    """Reports one request's tokens (TTFT, then inter-token latency) and its end, as the
-    client sees them, to the engine's stat loggers (the server's Prometheus metrics)."""
-
-    __slots__ = ("loggers", "last_token_time")
-
-    def __init__(self, loggers: list[StatLogger]):
-        self.loggers = loggers
-        self.last_token_time: float | None = None
-
-    def tokens(self, request: Request, n: int) -> None:
-        if not self.loggers or not n:
-            return
-        now = time.monotonic()
-        if self.last_token_time is None:
-            update = RequestUpdate(request.num_prompt_tokens, n,
-                                   ttft_s=now - request.arrival_time)
-        else:
-            update = RequestUpdate(0, n, itl_s=now - self.last_token_time)
-        self.last_token_time = now
-        self._send(update)
-
-    def finished(self, request: Request, finish: str | None) -> None:
-        if self.loggers:  # no finish reason here means the client went away
-            self._send(RequestUpdate(finish_reason=finish or "abort",
-                                     e2e_s=time.monotonic() - request.arrival_time))
-
-    def _send(self, update: RequestUpdate) -> None:
-        for logger in self.loggers:
-            logger.record_request(update)
-
-
-class RequestStream:
-    """One request's deltas, read by its request task.
-
-    The request ends by itself (EOS, length, error) or is aborted: when a stop string matches,
-    when the reader closes the stream early (client gone), or, as a safety net, when the stream
-    is dropped without ever being read. Either way the scheduler frees its blocks.
-    """
-
-    def __init__(self, scheduler: Scheduler, request: Request, detok: IncrementalDetokenizer,
-                 metrics: _RequestMetrics):
-        self.request_id = request.request_id
-        self._lease = _Lease(scheduler, request.request_id)
-        # The generator holds the lease, not this object, so dropping the stream frees it now.
-        self._it = _deltas(request, detok, self._lease, metrics)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> GenerationDelta:
-        return await self._it.__anext__()
-
-    async def aclose(self) -> None:
-        await self._it.aclose()
-        self._lease.release()
-
-    def __del__(self) -> None:
-        self._lease.release()
-
-
-async def _deltas(
-    request: Request, detok: IncrementalDetokenizer, lease: _Lease, metrics: _RequestMetrics,
-) -> AsyncIterator[GenerationDelta]:
-    num_output = 0
-    finish: str | None = None
-    try:
-        while True:
-            out = await request.output_queue.get()
-            if out.finish_reason is not None:
-                lease.live = False  # the scheduler already let go of it
-            if out.finish_reason in ("abort", "error"):
-                finish = out.finish_reason
-                if finish == "abort":
-                    raise EngineShuttingDown(out.error or "request aborted by the server")
-                raise EngineError(out.error or "request failed")
-            num_output += len(out.new_token_ids)
-            metrics.tokens(request, len(out.new_token_ids))
-            text = detok.update(out.new_token_ids, final=out.finish_reason is not None)
-            finish = detok.stop_reason or out.finish_reason
-            yield GenerationDelta(text, out.new_token_ids, finish, request.num_prompt_tokens,
-                                  num_output, out.logprobs)
-            if finish is not None:
-                return
-    finally:
-        lease.release()
-        metrics.finished(request, finish)
 
 
 class AsyncEngine:
@@ -267,8 +151,7 @@ class AsyncEngine:
             self.scheduler.send(AbortRequest(request_id))
             raise
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        return RequestStream(self.scheduler, request, detok,
-                             _RequestMetrics(self.stat_loggers))
+        return RequestStream(self.scheduler, request, detok, RequestMetrics(self.stat_loggers))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -289,17 +172,14 @@ class AsyncEngine:
         """
         await self.structured_output.compile(spec)
 
-    async def get_stats(self) -> dict[str, Any]:
-        """A snapshot from the scheduler actor, asked by message."""
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    async def get_stats(self) -> EngineStats:
+        """A snapshot from the scheduler actor, asked by message, with the model and the
+        settings in force."""
+        reply: asyncio.Future[StatsSnapshot] = asyncio.get_running_loop().create_future()
         self.scheduler.send(GetStats(reply))
-        stats = await reply
-        stats["model"] = {"path": self.info.path, "dtype": self.info.dtype,
-                          "device": self.info.device, "quantization": self.info.quantization,
-                          "max_model_len": self.info.max_model_len}
-        stats["config"] = self.effective_config()
-        stats["time"] = time.time()
-        return stats
+        snap = await reply
+        return EngineStats(snap.scheduler, snap.kv_cache, snap.steps, snap.throughput,
+                           self.info, self.effective_config(), time.time())
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached block no running request holds; returns how many."""
@@ -310,14 +190,18 @@ class AsyncEngine:
     async def drain(self, timeout: float) -> None:
         """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
         rest (their clients get an error saying the server is shutting down)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            s = (await self.get_stats())["scheduler"]
-            if s["num_running"] + s["num_waiting"] == 0:
-                return
-            await asyncio.sleep(0.05)
-        self.scheduler.send(AbortAll("server shutting down"))
-        await self.get_stats()  # handled after the AbortAll: the requests are gone
+        try:
+            await asyncio.wait_for(self._idle(), timeout)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; 3.10 is supported
+            self.scheduler.send(AbortAll("server shutting down"))
+            await self._idle()  # answered after the AbortAll: the requests are gone
+
+    async def _idle(self) -> None:
+        """Until the scheduler says nothing is running or waiting."""
+        reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(NotifyWhenIdle(reply))
+        await reply
+
     def effective_config(self) -> dict[str, Any]:
         """The settings in force: the flags as given, with what loading resolved (the model
         file, ``auto`` dtype and quantization, default ``max_model_len``, the KV pool's blocks

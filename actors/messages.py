@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedserve.actors.request import Request
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedserve.actors.stats import StatsSnapshot
 
 
 @dataclass(slots=True)
@@ -43,9 +46,18 @@ class AbortAll:
 
 @dataclass(slots=True)
 class GetStats:
-    """Anyone → scheduler: reply with a stats snapshot (a plain dict)."""
+    """Anyone → scheduler: reply with a stats snapshot."""
 
-    reply: asyncio.Future[dict[str, Any]]
+    reply: asyncio.Future[StatsSnapshot]
+
+
+@dataclass(slots=True)
+class NotifyWhenIdle:
+    """Drain → scheduler: resolve ``reply`` once nothing is running or waiting (at once if
+    nothing is). A request parked for its grammar compile is not waiting yet: it does not
+    count (as in ``Scheduler.has_unfinished_requests``)."""
+
+    reply: asyncio.Future[None]
 
 
 @dataclass(slots=True)

@@ -31,12 +31,21 @@ from pagedserve.actors.messages import (
     ExecuteModel,
     GetStats,
     GrammarReady,
+    NotifyWhenIdle,
     ResetPrefixCache,
 )
 from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from pagedserve.actors.request_queue import make_request_queue
 from pagedserve.actors.spec_decode import num_accepted
-from pagedserve.actors.stats import StatLogger, StepHistory, StepStats, request_row
+from pagedserve.actors.stats import (
+    KVCacheStats,
+    RequestStats,
+    SchedulerStats,
+    StatLogger,
+    StatsSnapshot,
+    StepHistory,
+    StepStats,
+)
 from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.actors.structured_output import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
@@ -71,12 +80,14 @@ class Scheduler(Actor):
         self.step_history = StepHistory()
         # Observers of each step (the server's metrics); the engine owns the list.
         self.stat_loggers: list[StatLogger] = stat_loggers if stat_loggers is not None else []
+        self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
             if not self.has_unfinished_requests():
+                self._notify_idle()
                 self._handle(await self.mailbox.get())
             self._drain_mailbox()
             if not self.has_unfinished_requests():
@@ -121,6 +132,13 @@ class Scheduler(Actor):
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _notify_idle(self) -> None:
+        """Answer every ``NotifyWhenIdle``: nothing is running or waiting."""
+        for reply in self.idle_waiters:
+            if not reply.done():  # the asker may have given up (a drain's timeout)
+                reply.set_result(None)
+        self.idle_waiters.clear()
+
     def _drain_mailbox(self) -> None:
         while not self.mailbox.empty():
             self._handle(self.mailbox.get_nowait())
@@ -139,6 +157,8 @@ class Scheduler(Actor):
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
+        elif isinstance(msg, NotifyWhenIdle):
+            self.idle_waiters.append(msg.reply)  # answered at the top of the loop, once idle
         elif isinstance(msg, ResetPrefixCache):
             if not msg.reply.done():
                 msg.reply.set_result(self.kv.reset_prefix_cache())
@@ -303,37 +323,28 @@ class Scheduler(Actor):
         for logger in self.stat_loggers:
             logger.record_step(step)
 
-    def stats(self) -> dict[str, Any]:
-        """The ``GetStats`` reply: plain data built in the actor's own task."""
-        pool = self.kv.block_pool
+    def stats(self) -> StatsSnapshot:
+        """The ``GetStats`` reply, built in the actor's own task from plain values."""
         now = time.monotonic()
-        live = [*self.running, *self.waiting]
-        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
-        return {
-            "scheduler": {
-                "num_waiting": len(self.waiting),
-                "num_waiting_for_grammar": len(self.waiting_for_grammar),
-                "num_running": len(self.running),
-                "num_preempted_total": self.num_preemptions,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "num_steps_total": self.num_steps,
-                "num_computed_tokens_total": self.num_computed_tokens_total,
-                "policy": self.config.policy,
-                "requests": [
-                    request_row(r, len(self.kv.get_block_ids(r.request_id)), now) for r in live
-                ],
-            },
-            "kv_cache": {
-                "block_size": self.kv.block_size,
-                "num_blocks": pool.num_blocks,
-                "num_free_blocks": pool.get_num_free_blocks(),
-                "num_cached_blocks": self.kv.num_cached_blocks,
-                "usage": round(pool.get_usage(), 6),
-                "prefix_cache_queries": queries,
-                "prefix_cache_hits": hits,
-                "prefix_cache_hit_rate": round(hits / queries, 6) if queries else 0.0,
-            },
-            "steps": self.step_history.rows(),
-            "throughput": self.step_history.throughput(now),
-        }
+        rows = [RequestStats.of(r, len(self.kv.get_block_ids(r.request_id)), now)
+                for r in (*self.running, *self.waiting)]
+        sched = SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_waiting_for_grammar=len(self.waiting_for_grammar),
+            num_preemptions_total=self.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_steps_total=self.num_steps,
+            num_computed_tokens_total=self.num_computed_tokens_total,
+            policy=self.config.policy, requests=rows,
+        )
+        pool = self.kv.block_pool
+        kv = KVCacheStats(
+            block_size=self.kv.block_size, num_blocks=pool.num_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_cached_blocks=self.kv.num_cached_blocks, usage=pool.get_usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+        )
+        return StatsSnapshot(sched, kv, list(self.step_history.recent),
+                             self.step_history.throughput(now))

@@ -5,13 +5,18 @@ Two producers, one consumer interface (vLLM V1's ``StatLoggerBase``, reduced):
 - the scheduler actor, after each step, builds a ``StepStats`` (batch size, prefill and decode
   tokens, duration, queue times of requests scheduled for the first time) and keeps the last
   ones in its ``StepHistory`` for ``/admin/stats``;
-- each request task (``AsyncEngine.generate``) reports a ``RequestUpdate`` per output it
-  receives (tokens, TTFT, inter-token latency) and one when it ends (finish reason, e2e).
+- each request task (``RequestStream``) reports a ``RequestUpdate`` per output it receives
+  (tokens, TTFT, inter-token latency) and one when it ends (finish reason, e2e).
 
 Both hand their records to the ``StatLogger``s registered with the engine (the server's
 Prometheus exporter). Loggers are called synchronously from the producing task and must be
-cheap and never raise. No scheduler state leaves the scheduler except as these plain records
-or as the dict its ``GetStats`` reply carries.
+cheap and never raise.
+
+Live snapshots are typed too (the split of vLLM's ``vllm/v1/metrics/stats.py``): the
+scheduler's ``GetStats`` reply is a ``StatsSnapshot`` (``SchedulerStats``, ``KVCacheStats``,
+the recent ``StepStats``, a ``Throughput``), built in the actor's own task from plain values;
+``AsyncEngine.get_stats`` adds the model and the settings (``EngineStats``). Values are raw
+(seconds, fractions); rounding and JSON keys belong to the HTTP edge (``server/stats_json.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve.actors.request import Request
+
+if TYPE_CHECKING:
+    from pagedserve.gpu.model_runner import ModelInfo
 
 
 @dataclass(slots=True)
@@ -49,11 +57,6 @@ class StepStats:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
-
-    def row(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "prefill_tokens": self.num_prefill_tokens,
-                "decode_tokens": self.num_decode_tokens,
-                "duration_ms": round(self.duration_s * 1000, 3)}
 
 
 @dataclass(slots=True)
@@ -85,6 +88,15 @@ class StatLogger(Protocol):
     def record_request(self, update: RequestUpdate) -> None: ...
 
 
+@dataclass(slots=True)
+class Throughput:
+    """Token rates over the last ``window_s`` seconds of steps, in tokens/s."""
+
+    window_s: float
+    prompt_tokens_per_s: float
+    generation_tokens_per_s: float
+
+
 class StepHistory:
     """The last ``maxlen`` steps for the admin view, and token rates over a sliding window.
 
@@ -104,7 +116,7 @@ class StepHistory:
         self._prefill_sum += step.num_prefill_tokens
         self._generated_sum += step.num_generated_tokens
 
-    def throughput(self, now: float | None = None) -> dict[str, float]:
+    def throughput(self, now: float | None = None) -> Throughput:
         """Prompt (prefill) and generation tokens/s over the last ``window_s`` seconds; falls
         back to zero once the server has been idle for a window."""
         now = time.monotonic() if now is None else now
@@ -112,31 +124,118 @@ class StepHistory:
             old = self._window.popleft()
             self._prefill_sum -= old.num_prefill_tokens
             self._generated_sum -= old.num_generated_tokens
-        return {
-            "window_s": self.window_s,
-            "prompt_tokens_per_s": round(self._prefill_sum / self.window_s, 3),
-            "generation_tokens_per_s": round(self._generated_sum / self.window_s, 3),
-        }
-
-    def rows(self) -> list[dict[str, Any]]:
-        return [s.row() for s in self.recent]
+        return Throughput(self.window_s, self._prefill_sum / self.window_s,
+                          self._generated_sum / self.window_s)
 
 
-def request_row(request: Request, num_blocks: int, now: float) -> dict[str, Any]:
-    """One live request for the admin table; never its text or token ids."""
-    first = request.first_token_time
-    ttft = None if first is None else first - request.arrival_time
-    return {
-        "id": request.request_id,
-        "state": request.status.value,
-        "priority": 0,
-        "prompt_tokens": request.num_prompt_tokens,
-        "output_tokens": len(request.output_token_ids),
-        "num_computed_tokens": request.num_computed_tokens,
-        "num_blocks": num_blocks,
-        # Prefix caching will set this attribute; until then nothing is ever cached.
-        "cached_tokens": getattr(request, "num_cached_tokens", 0),
-        "num_preemptions": request.num_preemptions,
-        "age_s": round(now - request.arrival_time, 3),
-        "ttft_s": None if ttft is None else round(ttft, 4),
-    }
+@dataclass(slots=True)
+class RequestStats:
+    """One live (waiting or running) request, for the admin table; never its text or tokens.
+
+    Attributes:
+        state: the ``RequestStatus`` value (``waiting``, ``running``, ``preempted``).
+        priority: as sent; lower runs earlier under the ``priority`` policy.
+        num_cached_tokens: prompt tokens found in the prefix cache at its last admission.
+        num_blocks: KV blocks it holds now.
+        age_s: arrival → the snapshot.
+        ttft_s: arrival → first token, once there is one.
+    """
+
+    request_id: str
+    state: str
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+    num_cached_tokens: int
+    num_preemptions: int
+    age_s: float
+    ttft_s: float | None
+
+    @classmethod
+    def of(cls, request: Request, num_blocks: int, now: float) -> RequestStats:
+        first = request.first_token_time
+        return cls(
+            request.request_id, request.status.value, request.priority,
+            request.num_prompt_tokens, len(request.output_token_ids),
+            request.num_computed_tokens, num_blocks, request.num_cached_tokens,
+            request.num_preemptions, now - request.arrival_time,
+            None if first is None else first - request.arrival_time,
+        )
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """The scheduler's queues and running totals (``*_total``: since start).
+
+    Attributes:
+        num_waiting_for_grammar: guided requests parked while their grammar compiles.
+        num_draft_tokens, num_accepted_tokens: speculative decoding's drafts scored and
+            accepted, in tokens.
+        num_computed_tokens_total: tokens run through the model (prefill + decode).
+        requests: the waiting and running requests, running first.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_grammar: int
+    num_preemptions_total: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_steps_total: int
+    num_computed_tokens_total: int
+    policy: str
+    requests: list[RequestStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    """The KV block pool and the prefix cache (queries and hits in prompt tokens).
+
+    Attributes:
+        num_cached_blocks: blocks indexed by the prefix cache (held or free).
+        usage: held blocks / all blocks (0 idle, 1 full).
+    """
+
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+
+@dataclass(slots=True)
+class StatsSnapshot:
+    """The scheduler actor's ``GetStats`` reply."""
+
+    scheduler: SchedulerStats
+    kv_cache: KVCacheStats
+    steps: list[StepStats]
+    throughput: Throughput
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """``AsyncEngine.get_stats``: the scheduler's snapshot plus what the engine knows.
+
+    Attributes:
+        model: the loaded model.
+        config: the settings in force (``AsyncEngine.effective_config``).
+        time: wall clock of the snapshot (``time.time()``).
+    """
+
+    scheduler: SchedulerStats
+    kv_cache: KVCacheStats
+    steps: list[StepStats]
+    throughput: Throughput
+    model: ModelInfo
+    config: dict[str, Any]
+    time: float

@@ -1,8 +1,9 @@
 """The operators' routes: live stats (JSON and SSE), Prometheus metrics, the dashboard and the
 chat page.
 
-Every figure comes from the scheduler actor by message (``AsyncEngine.get_stats``) or from the
-engine's stat loggers; nothing here reads actor state directly.
+Every figure comes from the scheduler actor by message (``AsyncEngine.get_stats``, typed) or
+from the engine's stat loggers; nothing here reads actor state directly. The typed stats become
+JSON in ``server/stats_json.py``, on their way out.
 
 Access: when an admin key is set, ``/admin/stats``, ``/admin/events`` and ``/metrics`` need
 ``Authorization: Bearer <admin key>``; with no admin key but an API key, they need the API key.
@@ -18,7 +19,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
@@ -27,8 +27,10 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.stats import EngineStats
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.metrics import CONTENT_TYPE, PrometheusStatLogger
+from pagedserve.server.stats_json import stats_json
 
 STATIC_DIR = Path(__file__).parent / "static"
 EVENTS_MAX_INTERVAL_S = 0.5  # a snapshot at least this often
@@ -48,16 +50,11 @@ def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
     engine.add_stat_logger(metrics)
     guard = _bearer_guard(admin_key or api_key)
 
-    async def snapshot() -> dict[str, Any]:
-        snap = await engine.get_stats()
-        snap["model"]["name"] = model_name  # what clients send as `model`
-        return snap
-
     async def stats(request: Request) -> Response:
-        return JSONResponse(await snapshot())
+        return JSONResponse(stats_json(await engine.get_stats(), model_name))
 
     async def events(request: Request) -> Response:
-        return EventSourceResponse(_snapshots(snapshot), ping=15, sep="\n")
+        return EventSourceResponse(_snapshots(engine.get_stats, model_name), ping=15, sep="\n")
 
     async def prometheus(request: Request) -> Response:
         body = metrics.render(await engine.get_stats())
@@ -101,27 +98,27 @@ def _page(name: str) -> Handler:
     return page
 
 
-def _changed(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+def _changed(a: EngineStats | None, b: EngineStats) -> bool:
     """Whether a dashboard would draw something different (ages and clocks aside)."""
     if a is None:
         return True
-    sa, sb = a["scheduler"], b["scheduler"]
-    return (sa["num_steps_total"] != sb["num_steps_total"]
-            or sa["num_waiting"] != sb["num_waiting"] or sa["num_running"] != sb["num_running"]
-            or a["kv_cache"]["num_free_blocks"] != b["kv_cache"]["num_free_blocks"])
+    sa, sb = a.scheduler, b.scheduler
+    return (sa.num_steps_total != sb.num_steps_total
+            or sa.num_waiting != sb.num_waiting or sa.num_running != sb.num_running
+            or a.kv_cache.num_free_blocks != b.kv_cache.num_free_blocks)
 
 
 async def _snapshots(
-    snapshot: Callable[[], Awaitable[dict[str, Any]]],
+    snapshot: Callable[[], Awaitable[EngineStats]], model_name: str,
 ) -> AsyncIterator[dict[str, str]]:
     """Stats snapshots as SSE events: on change (checked every ``EVENTS_POLL_S``) and at least
     every ``EVENTS_MAX_INTERVAL_S``. Ends when the client goes away (sse-starlette cancels)."""
-    last: dict[str, Any] | None = None
+    last: EngineStats | None = None
     last_sent = 0.0
     while True:
         snap = await snapshot()
         now = time.monotonic()
         if _changed(last, snap) or now - last_sent >= EVENTS_MAX_INTERVAL_S:
-            yield {"event": "stats", "data": json.dumps(snap)}
+            yield {"event": "stats", "data": json.dumps(stats_json(snap, model_name))}
             last, last_sent = snap, now
         await asyncio.sleep(EVENTS_POLL_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import structlog
@@ -23,6 +24,8 @@ from pagedserve.server.serving import Serving, ServingConfig
 
 log = structlog.get_logger(__name__)
 
+ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
+
 
 def _version() -> str:
     try:
@@ -35,10 +38,36 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> RequestGuard:
     """The ASGI app: routes behind the guard (``config.api_key``, body limit)."""
     serving = Serving(engine, config)
+
+    async def version_route(request: Request) -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})
+
+    routes = [
+        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+        Route("/v1/completions", serving.completion, methods=["POST"]),
+        *_model_routes(engine, serving),
+        *_tokenizer_routes(engine, serving),
+        Route("/version", version_route, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key),
+    ]
+    app = Starlette(routes=routes, exception_handlers=_exception_handlers())
+    return RequestGuard(app, config.api_key, max_request_body_bytes)
+
+
+def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
+    """``/v1/models`` and ``/v1/models/{model}``: the one served model's card."""
     created = int(time.time())
 
     def card() -> dict:
-        return {"id": config.served_model_name, "object": "model", "created": created,
+        return {"id": serving.config.served_model_name, "object": "model", "created": created,
                 "owned_by": "pagedserve", "root": engine.info.path,
                 "max_model_len": engine.info.max_model_len}
 
@@ -48,6 +77,13 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
     async def model(request: Request) -> JSONResponse:
         serving.check_model(request.path_params["model"])
         return JSONResponse(card())
+
+    return [Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"])]
+
+
+def _tokenizer_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
+    """``/tokenize`` (text or chat messages → ids) and ``/detokenize`` (ids → text)."""
 
     async def tokenize(request: Request) -> JSONResponse:
         body: TokenizeRequest = await parse_body(request, TokenizeRequest)
@@ -71,14 +107,12 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
                               param="tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
-    async def version_route(request: Request) -> JSONResponse:
-        return JSONResponse({"version": _version()})
+    return [Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"])]
 
-    async def health(request: Request) -> Response:
-        return Response(status_code=200)
 
-    async def reset_prefix_cache(request: Request) -> JSONResponse:
-        return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})
+def _exception_handlers() -> dict[type[Exception], ExceptionHandler]:
+    """OpenAI error objects for our errors, Starlette's HTTP errors and anything unhandled."""
 
     async def on_openai_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, OpenAIError)
@@ -92,21 +126,4 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         log.exception("unhandled_error", path=request.url.path)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500)
 
-    routes = [
-        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
-        Route("/v1/completions", serving.completion, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/version", version_route, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key),
-    ]
-    app = Starlette(
-        routes=routes,
-        exception_handlers={OpenAIError: on_openai_error, HTTPException: on_http_error,
-                            Exception: on_error},
-    )
-    return RequestGuard(app, config.api_key, max_request_body_bytes)
+    return {OpenAIError: on_openai_error, HTTPException: on_http_error, Exception: on_error}

@@ -13,13 +13,12 @@ one process keep their own counts. Two kinds of figure:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedserve.actors.stats import RequestUpdate, StepStats
+from pagedserve.actors.stats import EngineStats, RequestUpdate, StepStats
 
 PREFIX = "pagedserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -94,7 +93,7 @@ class PrometheusStatLogger:
 
     # -- exposition ---------------------------------------------------------------------------
 
-    def render(self, snapshot: dict[str, Any]) -> bytes:
+    def render(self, snapshot: EngineStats) -> bytes:
         """The exposition, with the scheduler's figures taken from ``snapshot`` (a
         ``GetStats`` reply fetched for this scrape)."""
         self._snapshot.snapshot = snapshot
@@ -106,28 +105,28 @@ class _SnapshotCollector(Collector):
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         if self.snapshot is None:  # registration calls collect() once to learn the names
             return
-        sched, kv = self.snapshot["scheduler"], self.snapshot["kv_cache"]
+        sched, kv = self.snapshot.scheduler, self.snapshot.kv_cache
         yield self._gauge("num_requests_running", "Requests in the running batch.",
-                          sched["num_running"])
+                          sched.num_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                          sched["num_waiting"])
-        yield self._gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", kv["usage"])
+                          sched.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", kv.usage)
         yield self._counter("num_preemptions", "Preemptions (recompute).",
-                            sched["num_preempted_total"])
+                            sched.num_preemptions_total)
         yield self._counter("prefix_cache_queries", "Prefix-cache queries, in tokens.",
-                            kv["prefix_cache_queries"])
+                            kv.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.",
-                            kv["prefix_cache_hits"])
+                            kv.prefix_cache_hits)
         # vLLM's names: speculative decoding's drafts scored and accepted, in tokens.
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens scored.",
-                            sched["spec_decode_num_draft_tokens"])
+                            sched.num_draft_tokens)
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                            sched["spec_decode_num_accepted_tokens"])
+                            sched.num_accepted_tokens)
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

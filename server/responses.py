@@ -14,14 +14,33 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors.engine import GenerationDelta, RequestStream
+from pagedserve.actors.request_stream import GenerationDelta, RequestStream, close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
 
 log = structlog.get_logger(__name__)
 
-OnDone = Callable[[int, list, "float | None", list], None]
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """How one response ended, for the request log (one entry per choice where a list).
+
+    Attributes:
+        num_output_tokens: over all choices.
+        finish_reasons: ``None`` for a choice that never finished (client gone, error).
+        ttft_s: request start → first token of any choice.
+        texts: each choice's text.
+    """
+
+    num_output_tokens: int
+    finish_reasons: list[str | None]
+    ttft_s: float | None
+    texts: list[str]
+
+
+OnDone = Callable[[RequestSummary], None]
 
 
 @dataclass(slots=True)
@@ -133,11 +152,6 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Genera
             t.cancel()
 
 
-async def close_all(streams: list[RequestStream]) -> None:
-    for s in streams:
-        await s.aclose()
-
-
 @dataclass(slots=True)
 class _Tally:
     """Per-choice progress, for usage, logs and text offsets."""
@@ -158,6 +172,9 @@ class _Tally:
         self.tokens[i] = d.num_output_tokens
         self.texts[i] += d.text
         self.finish[i] = d.finish_reason
+
+    def summary(self) -> RequestSummary:
+        return RequestSummary(sum(self.tokens), self.finish, self.ttft, self.texts)
 
 
 async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_done: OnDone,
@@ -208,8 +225,8 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
         yield json.dumps(error_body(f"{type(e).__name__}: {e}" if not isinstance(e, EngineError)
                                     else str(e), status))
     finally:
-        await close_all(streams)
-    on_done(sum(tally.tokens), tally.finish, tally.ttft, tally.texts)
+        close_all(streams)
+    on_done(tally.summary())
     yield "[DONE]"
 
 
@@ -229,13 +246,13 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
         status = 503 if isinstance(e, EngineShuttingDown) else 500
         raise OpenAIError(str(e), status=status) from e
     finally:
-        await close_all(streams)
+        close_all(streams)
     echo = builder.echo or ""
     choices = [builder.choice(i, echo + tally.texts[i], tally.finish[i], token_ids[i],
                               lps[i] or None, chunk=False, offset=len(echo)) for i in range(n)]
     body = builder.envelope(choices, chunk=False)
     body["usage"] = builder.usage(sum(tally.tokens))
-    on_done(sum(tally.tokens), tally.finish, tally.ttft, tally.texts)
+    on_done(tally.summary())
     return body
 
 
@@ -256,7 +273,7 @@ async def until_disconnect(request: Request, work: Awaitable[Any],
         if not task.done():
             task.cancel()  # its own cleanup closes the streams, which aborts the requests
             await asyncio.gather(task, return_exceptions=True)
-            await close_all(streams)
+            close_all(streams)
             log.info("client_disconnected", request_id=streams[0].request_id)
     if task.cancelled():
         return JSONResponse(error_body("client disconnected", 499), status_code=499)

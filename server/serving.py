@@ -18,7 +18,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pagedserve.actors.engine import AsyncEngine, RequestStream
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.structured_output import GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
@@ -26,7 +27,14 @@ from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
-from pagedserve.server.responses import ResponseBuilder, collect, sse_events, until_disconnect
+from pagedserve.server.responses import (
+    OnDone,
+    RequestSummary,
+    ResponseBuilder,
+    collect,
+    sse_events,
+    until_disconnect,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -118,13 +126,13 @@ class Serving:
                     f"{request_id}-{i}" if body.n > 1 else request_id, prompt_ids, child,
                     priority=body.priority, cache_salt=body.cache_salt))
         except EngineOverloaded as e:
-            await _close_all(streams)
+            close_all(streams)
             raise OpenAIError(str(e), status=503, headers={"Retry-After": "1"}) from e
         except DuplicateRequestId as e:
-            await _close_all(streams)
+            close_all(streams)
             raise OpenAIError(str(e), status=400, param="X-Request-Id") from e
         except BaseException:
-            await _close_all(streams)
+            close_all(streams)
             raise
         return streams
 
@@ -197,21 +205,17 @@ class Serving:
             return JSONResponse(answer, headers=headers)
         return answer
 
-    def _logger(self, request_id: str, prompt: str, num_prompt: int):
+    def _logger(self, request_id: str, prompt: str, num_prompt: int) -> OnDone:
         start = time.monotonic()
         verbose = self.config.enable_log_requests
 
-        def done(output_tokens: int, finish: list[str | None], ttft: float | None,
-                 texts: list[str]) -> None:
-            extra = {"prompt": prompt, "output": texts} if verbose else {}
+        def done(summary: RequestSummary) -> None:
+            extra = {"prompt": prompt, "output": summary.texts} if verbose else {}
+            ttft = summary.ttft_s
             log.info("request_done", request_id=request_id, prompt_tokens=num_prompt,
-                     output_tokens=output_tokens, finish_reason=finish,
+                     output_tokens=summary.num_output_tokens,
+                     finish_reason=summary.finish_reasons,
                      ttft_s=None if ttft is None else round(ttft, 4),
                      duration_s=round(time.monotonic() - start, 4), **extra)
 
         return done
-
-
-async def _close_all(streams: list[RequestStream]) -> None:
-    for s in streams:
-        await s.aclose()

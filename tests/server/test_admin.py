@@ -30,10 +30,11 @@ def prompt(i: int) -> str:
     return f"{i} apples and {i} pears make a basket of fruit number {i}."
 
 
-async def stream_forever(client: httpx.AsyncClient, text: str, seen: list[int]) -> None:
+async def stream_forever(client: httpx.AsyncClient, text: str, seen: list[int],
+                         priority: int = 0) -> None:
     """Stream a long completion until cancelled; counts received chunks in ``seen``."""
     payload = {"prompt": text, "max_tokens": 1800, "ignore_eos": True, "temperature": 0,
-               "stream": True}
+               "stream": True, "priority": priority}
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -161,6 +162,63 @@ async def test_model_and_config(client):
     assert (kv["prefix_cache_queries"], kv["prefix_cache_hits"], kv["prefix_cache_hit_rate"]) == (
         0, 0, 0.0) or kv["prefix_cache_queries"] >= kv["prefix_cache_hits"]
     assert kv["num_cached_blocks"] >= 0
+
+
+async def test_request_rows_show_priority_and_prefix_cache_hits(tiny_model_dir):
+    text = " ".join(f"word{i}" for i in range(40))  # several full blocks
+    async with serve(tiny_model_dir, policy="priority", max_model_len=2048) as c:
+        r = await c.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+        num_prompt = r.json()["usage"]["prompt_tokens"]
+        assert num_prompt > 2 * BLOCK
+        seen: list[int] = []
+        task = asyncio.create_task(stream_forever(c, text, seen, priority=3))
+        try:
+            while True:  # until the request has been admitted and has produced a token
+                rows = (await stats(c))["scheduler"]["requests"]
+                if rows and rows[0]["output_tokens"] > 0:
+                    break
+                if task.done():
+                    task.result()  # the stream failed: show why
+                await asyncio.sleep(0.02)
+            # every full block of the prompt but the one holding its last token is a hit
+            assert rows[0]["priority"] == 3
+            assert rows[0]["cached_tokens"] == (num_prompt - 1) // BLOCK * BLOCK
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_stats_json_shape(client):
+    """The JSON of /admin/stats is an interface (admin.js, operators' scripts): exactly these
+    keys, whatever the typed stats behind it hold."""
+    await wait_idle(client)
+    seen: list[int] = []
+    task = asyncio.create_task(stream_forever(client, prompt(99), seen))
+    try:
+        while not (s := await stats(client))["scheduler"]["requests"] or not s["steps"]:
+            if task.done():
+                task.result()  # the stream failed: show why
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert set(s) == {"scheduler", "kv_cache", "steps", "throughput", "model", "config", "time"}
+    assert set(s["scheduler"]) == {
+        "num_waiting", "num_waiting_for_grammar", "num_running", "num_preempted_total",
+        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",
+        "num_computed_tokens_total", "policy", "requests"}
+    assert set(s["scheduler"]["requests"][0]) == {
+        "id", "state", "priority", "prompt_tokens", "output_tokens", "num_computed_tokens",
+        "num_blocks", "cached_tokens", "num_preemptions", "age_s", "ttft_s"}
+    assert set(s["kv_cache"]) == {
+        "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "usage",
+        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate"}
+    assert set(s["steps"][0]) == {"batch_size", "prefill_tokens", "decode_tokens", "duration_ms"}
+    assert set(s["throughput"]) == {"window_s", "prompt_tokens_per_s", "generation_tokens_per_s"}
+    assert set(s["model"]) == {"name", "path", "dtype", "device", "quantization",
+                               "max_model_len"}
+    assert set(s["config"]) == {"model", "cache", "scheduler", "structured_output"}
+    await wait_idle(client)
 
 
 async def read_events(client: httpx.AsyncClient, n: int, headers=None) -> list[tuple[float, dict]]:

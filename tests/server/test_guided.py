@@ -11,7 +11,8 @@ import re
 import pytest
 import pytest_asyncio
 
-from pagedserve.actors.engine import AsyncEngine, EngineError
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.errors import EngineError
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.conftest import (
     chat,
@@ -183,12 +184,12 @@ async def test_waiting_for_grammar_then_runs(tiny_model_dir):
         task = asyncio.create_task(run("guided", params))
         await asyncio.sleep(0)  # the task sends AddRequest, then waits for output
         s = await engine.get_stats()
-        assert s["scheduler"]["num_waiting_for_grammar"] == 1
+        assert s.scheduler.num_waiting_for_grammar == 1
         plain = await run("plain", SamplingParams(temperature=0, max_tokens=5))
         assert plain
         out = json.loads(await task)
         assert all(re.fullmatch(r"[a-z]{1,5}-[0-9]{2}", v) for v in out.values())
-        assert (await engine.get_stats())["scheduler"]["num_waiting_for_grammar"] == 0
+        assert (await engine.get_stats()).scheduler.num_waiting_for_grammar == 0
         bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="[a-"))
         with pytest.raises(EngineError, match="Unclosed"):
             await run("bad", bad)

@@ -34,4 +34,4 @@ async def test_long_prompt_chunked_cached_and_split_equals_transformers(default_
     finally:
         await engine.shutdown()
     assert first == want and again == want
-    assert s["kv_cache"]["prefix_cache_hits"] >= len(ids) // 16 - 1
+    assert s.kv_cache.prefix_cache_hits >= len(ids) // 16 - 1

@@ -55,11 +55,11 @@ async def test_caching_is_transparent_for_hundreds_of_requests(tiny_model_dir):
             s = await engine.get_stats()
         finally:
             await engine.shutdown()
-        assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+        assert s.kv_cache.num_free_blocks == s.kv_cache.num_blocks
         if caching:
-            assert s["kv_cache"]["prefix_cache_hits"] > 0.5 * s["kv_cache"]["prefix_cache_queries"]
+            assert s.kv_cache.prefix_cache_hits > 0.5 * s.kv_cache.prefix_cache_queries
         else:
-            assert s["kv_cache"]["prefix_cache_hits"] == 0
+            assert s.kv_cache.prefix_cache_hits == 0
     for off, on in zip(outputs[False], outputs[True]):
         assert off == on
 

@@ -1,0 +1,177 @@
+"""One request's stream of deltas: the single owner of the request's lifetime.
+
+``AsyncEngine.add_request`` returns a ``RequestStream`` once the scheduler has accepted the
+request. The stream reads the request's output queue, detokenizes, applies stop strings and
+reports tokens and the end to the stat loggers. The request leaves the ``LIVE`` state exactly
+once, by one of two transitions:
+
+- ``_finished``: the scheduler ended it (EOS, stop token, length, error, server abort) and has
+  already freed its blocks, so nothing is sent back;
+- ``_abort``: the reader ended it (a stop string matched, the reader closed the stream or was
+  cancelled, the stream was dropped unread), so ``AbortRequest`` goes to the scheduler, which
+  frees the blocks before its next step.
+
+Either transition reports the end to the stat loggers, once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedserve.actors.actor import Actor
+from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.errors import EngineError, EngineShuttingDown
+from pagedserve.actors.messages import AbortRequest
+from pagedserve.actors.request import Request, RequestOutput
+from pagedserve.actors.stats import RequestUpdate, StatLogger
+from pagedserve.gpu.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    """One increment of a request's output.
+
+    Attributes:
+        text: new text (may be empty while a stop string or a multibyte character is pending).
+        token_ids: tokens sampled since the last delta.
+        finish_reason: ``stop``/``length`` on the last delta, else ``None``.
+        num_prompt_tokens, num_output_tokens: usage so far.
+        logprobs: one per token in ``token_ids``, when the request asked for them.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class StreamState(enum.Enum):
+    LIVE = "live"  # the scheduler holds the request
+    FINISHED = "finished"  # the scheduler ended it and let go
+    ABORTED = "aborted"  # the reader ended it; AbortRequest sent
+
+
+class RequestMetrics:
+    """Reports one request's tokens (TTFT, then inter-token latency) and its end, as the
+    client sees them, to the engine's stat loggers (the server's Prometheus metrics)."""
+
+    __slots__ = ("loggers", "last_token_time")
+
+    def __init__(self, loggers: list[StatLogger]):
+        self.loggers = loggers
+        self.last_token_time: float | None = None
+
+    def tokens(self, request: Request, n: int) -> None:
+        if not self.loggers or not n:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            update = RequestUpdate(request.num_prompt_tokens, n,
+                                   ttft_s=now - request.arrival_time)
+        else:
+            update = RequestUpdate(0, n, itl_s=now - self.last_token_time)
+        self.last_token_time = now
+        self._send(update)
+
+    def finished(self, request: Request, finish: str | None) -> None:
+        if self.loggers:  # no finish reason here means the client went away
+            self._send(RequestUpdate(finish_reason=finish or "abort",
+                                     e2e_s=time.monotonic() - request.arrival_time))
+
+    def _send(self, update: RequestUpdate) -> None:
+        for logger in self.loggers:
+            logger.record_request(update)
+
+
+class RequestStream:
+    """One request's deltas, read by its request task (``async for``), then closed.
+
+    Reading past the last delta ends the iteration. ``close``/``aclose`` on a live stream
+    aborts the request; on an ended one it does nothing, so closing is always safe.
+    """
+
+    __slots__ = ("request_id", "state", "_scheduler", "_request", "_detok", "_metrics",
+                 "_num_output")
+
+    def __init__(self, scheduler: Actor, request: Request, detok: IncrementalDetokenizer,
+                 metrics: RequestMetrics):
+        self.request_id = request.request_id
+        self.state = StreamState.LIVE
+        self._scheduler = scheduler
+        self._request = request
+        self._detok = detok
+        self._metrics = metrics
+        self._num_output = 0
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if self.state is not StreamState.LIVE:
+            raise StopAsyncIteration
+        try:
+            out = await self._request.output_queue.get()
+            return self._delta(out)
+        except BaseException:  # cancelled (client gone), or our own failure (detokenizer)
+            self._abort(None)  # no-op when the scheduler already ended it
+            raise
+
+    def _delta(self, out: RequestOutput) -> GenerationDelta:
+        """Turn one scheduler output into a delta; ends the stream on its last one.
+
+        Raises:
+            EngineShuttingDown: the server aborted the request (shutdown).
+            EngineError: the request failed in the engine.
+        """
+        if out.finish_reason == "abort":
+            self._finished("abort")
+            raise EngineShuttingDown(out.error or "request aborted by the server")
+        if out.finish_reason == "error":
+            self._finished("error")
+            raise EngineError(out.error or "request failed")
+        n = len(out.new_token_ids)
+        self._num_output += n
+        self._metrics.tokens(self._request, n)
+        text = self._detok.update(out.new_token_ids, final=out.finish_reason is not None)
+        finish = self._detok.stop_reason or out.finish_reason
+        if out.finish_reason is not None:
+            self._finished(finish)
+        elif finish is not None:  # a stop string matched: the scheduler would run on
+            self._abort(finish)
+        return GenerationDelta(text, out.new_token_ids, finish, self._request.num_prompt_tokens,
+                               self._num_output, out.logprobs)
+
+    def close(self) -> None:
+        """Stop reading: a live request is aborted and its blocks freed."""
+        self._abort(None)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # dropped unread: free the blocks anyway
+        self._abort(None)
+
+    def _finished(self, finish: str | None) -> None:
+        """LIVE → FINISHED: the scheduler ended the request and already freed its blocks."""
+        if self.state is StreamState.LIVE:
+            self.state = StreamState.FINISHED
+            self._metrics.finished(self._request, finish)
+
+    def _abort(self, finish: str | None) -> None:
+        """LIVE → ABORTED: the reader ended the request; the scheduler frees its blocks.
+        ``finish`` is what the client saw (``stop`` for a stop string, ``None``: gone)."""
+        if self.state is StreamState.LIVE:
+            self.state = StreamState.ABORTED
+            self._scheduler.send(AbortRequest(self.request_id))
+            self._metrics.finished(self._request, finish)
+
+
+def close_all(streams: Iterable[RequestStream]) -> None:
+    """Close every stream (aborting the requests still live); safe to call more than once."""
+    for stream in streams:
+        stream.close()

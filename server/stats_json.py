@@ -1,0 +1,89 @@
+"""The JSON of ``/admin/stats`` and ``/admin/events``: the engine's typed stats, turned into
+the dict the dashboard (``static/admin.js``) and operators' scripts read.
+
+This is the only place that knows the JSON keys, and the only place that rounds: the actors
+hand over raw values (seconds, fractions) in ``actors/stats.py``'s dataclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.actors.stats import (
+    EngineStats,
+    KVCacheStats,
+    RequestStats,
+    SchedulerStats,
+    StepStats,
+    Throughput,
+)
+
+
+def stats_json(stats: EngineStats, model_name: str) -> dict[str, Any]:
+    """The whole snapshot; ``model_name`` is what clients send as ``model``."""
+    m = stats.model
+    return {
+        "scheduler": scheduler_json(stats.scheduler),
+        "kv_cache": kv_cache_json(stats.kv_cache),
+        "steps": [step_json(s) for s in stats.steps],
+        "throughput": throughput_json(stats.throughput),
+        "model": {"name": model_name, "path": m.path, "dtype": m.dtype, "device": m.device,
+                  "quantization": m.quantization, "max_model_len": m.max_model_len},
+        "config": stats.config,
+        "time": stats.time,
+    }
+
+
+def scheduler_json(s: SchedulerStats) -> dict[str, Any]:
+    return {
+        "num_waiting": s.num_waiting,
+        "num_waiting_for_grammar": s.num_waiting_for_grammar,
+        "num_running": s.num_running,
+        "num_preempted_total": s.num_preemptions_total,
+        "spec_decode_num_draft_tokens": s.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+        "num_steps_total": s.num_steps_total,
+        "num_computed_tokens_total": s.num_computed_tokens_total,
+        "policy": s.policy,
+        "requests": [request_json(r) for r in s.requests],
+    }
+
+
+def request_json(r: RequestStats) -> dict[str, Any]:
+    return {
+        "id": r.request_id,
+        "state": r.state,
+        "priority": r.priority,
+        "prompt_tokens": r.num_prompt_tokens,
+        "output_tokens": r.num_output_tokens,
+        "num_computed_tokens": r.num_computed_tokens,
+        "num_blocks": r.num_blocks,
+        "cached_tokens": r.num_cached_tokens,
+        "num_preemptions": r.num_preemptions,
+        "age_s": round(r.age_s, 3),
+        "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+    }
+
+
+def kv_cache_json(kv: KVCacheStats) -> dict[str, Any]:
+    return {
+        "block_size": kv.block_size,
+        "num_blocks": kv.num_blocks,
+        "num_free_blocks": kv.num_free_blocks,
+        "num_cached_blocks": kv.num_cached_blocks,
+        "usage": round(kv.usage, 6),
+        "prefix_cache_queries": kv.prefix_cache_queries,
+        "prefix_cache_hits": kv.prefix_cache_hits,
+        "prefix_cache_hit_rate": round(kv.prefix_cache_hit_rate, 6),
+    }
+
+
+def step_json(s: StepStats) -> dict[str, Any]:
+    return {"batch_size": s.batch_size, "prefill_tokens": s.num_prefill_tokens,
+            "decode_tokens": s.num_decode_tokens, "duration_ms": round(s.duration_s * 1000, 3)}
+
+
+def throughput_json(t: Throughput) -> dict[str, float]:
+    return {"window_s": t.window_s,
+            "prompt_tokens_per_s": round(t.prompt_tokens_per_s, 3),
+            "generation_tokens_per_s": round(t.generation_tokens_per_s, 3)}
