@@ -133,3 +133,29 @@ async def test_waiting_for_grammar_then_runs(tiny_model_dir):
             await run("bad", bad)
     finally:
         await engine.shutdown()
+
+
+async def test_the_checked_compile_is_the_one_the_requests_run_on(tiny_model_dir):
+    """``compile_grammar``'s result starts the requests as is: no second look-up, so neither a
+    recompile nor ``WAITING_FOR_GRAMMAR`` once the cache has evicted it; each request its own
+    matcher over the one grammar."""
+    config = engine_config(tiny_model_dir)
+    config.structured_output.cache_size = 1
+    engine = await AsyncEngine.start(config)
+    try:
+        spec, other = Spec(regex="[a-z]{3}"), Spec(regex="[0-9]{3}")
+        grammar = await engine.compile_grammar(spec)
+        await engine.compile_grammar(other)  # evicts spec's entry
+        ids = chat_prompt_ids(tiny_model_dir, "three letters")
+        params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=spec)
+        streams = [await engine.add_request(f"r{i}", ids, params, grammar=grammar)
+                   for i in range(2)]
+        assert (await engine.get_stats())["scheduler"]["num_waiting_for_grammar"] == 0
+        for stream in streams:
+            assert re.fullmatch("[a-z]{3}", "".join([d.text async for d in stream]))
+        assert list(engine.structured_output._cache) == [cache_key(other)]  # no recompile
+        with pytest.raises(ValueError, match="another constraint"):
+            await engine.add_request("r2", ids, SamplingParams(structured_outputs=other),
+                                     grammar=grammar)
+    finally:
+        await engine.shutdown()
