@@ -170,7 +170,7 @@ def test_fuzzed_bodies_never_500(threaded_server, body, path):
 
 
 def test_fuzzing_leaked_no_block(threaded_server):
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 120  # a hung server, not a slow one
     while True:  # aborted streams may take one scheduler step to be freed
         s = threaded_server.get("/admin/stats").json()
         if s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]:
