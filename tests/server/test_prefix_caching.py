@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats, until_stats
 
 
 async def test_cache_hit_skips_prefill_work(tiny_model_dir):
@@ -73,10 +73,7 @@ async def test_priority_arrival_preempts_lowest_priority(tiny_model_dir):
             return body["choices"][0]["token_ids"]
 
         tasks = [asyncio.create_task(run(p, 5, 120)) for p in low]
-        for _ in range(1000):
-            if (await stats(client))["scheduler"]["num_running"] == 2:
-                break
-            await asyncio.sleep(0.01)
+        await until_stats(client, lambda s: s["scheduler"]["num_running"] == 2, "both running")
         got_high = await run(high, 0, 5)
         got_low = await asyncio.gather(*tasks)
         s = await stats(client)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
@@ -13,7 +12,15 @@ import pytest_asyncio
 import torch
 
 from pagedserve.server.serving import ServingConfig
-from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.conftest import (
+    _hf_model,
+    chat,
+    chat_prompt_ids,
+    hf_greedy,
+    serve,
+    stats,
+    until_stats,
+)
 
 MSG = [{"role": "user", "content": "Tell me about the weather today."}]
 
@@ -258,22 +265,13 @@ async def test_size_and_content_type_limits(tiny_model_dir):
         assert (await chat(client, "fine", max_tokens=2))["choices"]
 
 
-async def until_scheduler(client: httpx.AsyncClient, count: str) -> None:
-    """Until the scheduler's ``count`` is 1: a state, however long a loaded machine takes (the
-    deadline only catches a hung server)."""
-    deadline = time.monotonic() + 120
-    while (await stats(client))["scheduler"][count] != 1:
-        assert time.monotonic() < deadline, f"{count} never reached 1"
-        await asyncio.sleep(0.01)
-
-
 async def test_overload_gets_503_with_retry_after(tiny_model_dir):
     async with serve(tiny_model_dir, max_num_seqs=1, max_waiting_requests=1) as client:
         long = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
         running = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-        await until_scheduler(client, "num_running")
+        await until_stats(client, lambda s: s["scheduler"]["num_running"] == 1, "one running")
         waiting = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-        await until_scheduler(client, "num_waiting")
+        await until_stats(client, lambda s: s["scheduler"]["num_waiting"] == 1, "one waiting")
         r = await client.post("/v1/chat/completions", json={**long, "stream": True})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "ServiceUnavailableError"

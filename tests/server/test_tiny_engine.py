@@ -12,7 +12,16 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats, stream_chat
+from tests.conftest import (
+    TINY_NAME,
+    chat,
+    chat_prompt_ids,
+    hf_greedy,
+    serve,
+    stats,
+    stream_chat,
+    until_stats,
+)
 
 PROMPTS = [
     "Hi",
@@ -101,10 +110,7 @@ async def test_late_arrival_streams_before_running_requests_finish(client):
         done_at[f"long{i}"] = time.monotonic()
 
     tasks = [asyncio.create_task(long(i)) for i in range(3)]
-    for _ in range(1000):  # until all three are decoding
-        if (await stats(client))["scheduler"]["num_running"] == 3:
-            break
-        await asyncio.sleep(0.01)
+    await until_stats(client, lambda s: s["scheduler"]["num_running"] == 3, "three decoding")
     first_token_at = None
     payload = {"messages": [{"role": "user", "content": "late"}], "stream": True,
                "max_tokens": 4, "temperature": 0}
@@ -245,10 +251,7 @@ async def test_non_stream_disconnect_frees_blocks(client):
     payload = {"messages": [{"role": "user", "content": PROMPTS[2]}],
                "max_tokens": 450, "ignore_eos": True, "temperature": 0}
     task = asyncio.create_task(client.post("/v1/chat/completions", json=payload))
-    for _ in range(500):
-        if (await stats(client))["scheduler"]["num_running"] == 1:
-            break
-        await asyncio.sleep(0.01)
+    await until_stats(client, lambda s: s["scheduler"]["num_running"] == 1, "it running")
     assert not task.done(), task.result().text
     await asyncio.sleep(0.1)
     task.cancel()  # the client gives up: httpx closes the connection
