@@ -36,7 +36,11 @@ from pagedserve.actors.request import Request, RequestOutput
 from pagedserve.actors.request_stream import GenerationDelta, RequestMetrics, RequestStream
 from pagedserve.actors.scheduler import Scheduler
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
-from pagedserve.actors.structured_output import StructuredOutputConfig, StructuredOutputManager
+from pagedserve.actors.structured_output import (
+    CompiledConstraint,
+    StructuredOutputConfig,
+    StructuredOutputManager,
+)
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
@@ -125,6 +129,7 @@ class AsyncEngine:
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, cache_salt: str | None = None,
+        grammar: CompiledConstraint | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the scheduler has accepted it, so a
         refusal becomes an HTTP error before any response starts.
@@ -132,15 +137,24 @@ class AsyncEngine:
         Args:
             priority: lower runs earlier under the ``priority`` scheduling policy.
             cache_salt: isolates the request's prefix-cache blocks from other salts.
+            grammar: ``params.structured_outputs`` as ``compile_grammar`` compiled it; the
+                request runs on it as is. Without it, a constraint in ``params`` is compiled
+                (or found cached) here and the scheduler parks the request until it is ready.
 
         Raises:
             EngineOverloaded: the waiting queue is full.
             DuplicateRequestId: a live request has this id.
+            ValueError: ``grammar`` is not the compile of ``params.structured_outputs``.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
                           priority=priority, cache_salt=cache_salt)
-        if params.structured_outputs is not None:
+        if grammar is not None:
+            if grammar.spec != params.structured_outputs:
+                raise ValueError("grammar was compiled for another constraint than "
+                                 "params.structured_outputs")
+            request.structured_output = grammar.new_request()
+        elif params.structured_outputs is not None:
             request.structured_output = self.structured_output.request_for(
                 params.structured_outputs)
         accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -156,21 +170,23 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, cache_salt: str | None = None,
+        grammar: CompiledConstraint | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """``add_request`` and iterate, in one call (for tools and tests)."""
         stream = await self.add_request(request_id, prompt_token_ids, params, priority,
-                                        cache_salt)
+                                        cache_salt, grammar)
         async with aclosing(stream):
             async for delta in stream:
                 yield delta
 
-    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
-        """Compile (or find cached) a guided-decoding constraint before starting a request.
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledConstraint:
+        """Compile (or find cached) a guided-decoding constraint before starting a request;
+        pass the result to ``add_request`` (``grammar=``) with ``spec`` in its params.
 
         Raises:
             GrammarError: the constraint is invalid or took longer than the compile timeout.
         """
-        await self.structured_output.compile(spec)
+        return await self.structured_output.compile(spec)
 
     async def get_stats(self) -> EngineStats:
         """A snapshot from the scheduler actor, asked by message, with the model and the

@@ -122,8 +122,8 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
     ``tokens`` (``n_max`` down to ``n_min`` tokens long); ``[]`` when none recurs.
 
-    The search is ``bytes.rfind`` over the ids packed 4 bytes each (C speed: ~20 us for 1,000
-    tokens, where a Python loop took milliseconds); a hit at an offset that is not a multiple
+    The search is ``bytes.rfind`` over the ids packed 4 bytes each (C speed, where a Python
+    loop is far slower: ``loadtest/RESULTS.md``); a hit at an offset that is not a multiple
     of 4 straddles two ids and is skipped.
     """
     size = len(tokens)

@@ -18,9 +18,13 @@ How a guided request flows, and why:
   unsupported keyword, a malformed regex or a compile that takes too long is a 400 naming the
   problem, and the server carries on (a compile that timed out keeps running in the pool and
   stays cached; the pool is never blocked on by anyone).
+* **Compiled once, handed on.** ``compile()`` returns a ``CompiledConstraint``, which the handler
+  passes to ``AsyncEngine.add_request``: the request takes that compile as it is, with no second
+  look-up in the cache (which could since have evicted it). Each of ``n`` choices gets its own
+  matcher over the one compiled grammar.
 * **The scheduler never waits.** A ``Request`` carries a ``StructuredOutputRequest`` holding the
-  compile future. After the handler's check it is a cache hit and already done; when it is not
-  (a caller of ``AsyncEngine.generate`` that skipped the check, or an entry evicted meanwhile),
+  compile future. From the handler it is already done; when it is not (a caller of
+  ``AsyncEngine.generate`` that passed only ``SamplingParams.structured_outputs``),
   the scheduler parks the request in ``WAITING_FOR_GRAMMAR`` and serves the others; the
   future's done-callback posts ``GrammarReady`` to the scheduler's mailbox (thread-safely),
   which moves the request to the waiting queue, or fails it if the compile failed.
@@ -239,28 +243,47 @@ class StructuredOutputManager:
         log.debug("grammar_compiled", kind=kind, seconds=round(time.perf_counter() - start, 4))
         return grammar
 
-    async def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """Compile (or find cached) within the compile timeout.
+    async def compile(self, spec: StructuredOutputsParams) -> CompiledConstraint:
+        """Compile (or find cached) within the compile timeout; the result starts requests
+        (``CompiledConstraint.new_request``) without another look-up.
 
         Raises:
             GrammarError: invalid constraint, or compiling took longer than the timeout.
         """
         # The one-time tokenizer set-up is the server's start-up, not this request's compile.
         await asyncio.wrap_future(self._compiler)
-        fut = asyncio.wrap_future(self.submit(spec))
+        compiling = self.submit(spec)
+        fut = asyncio.wrap_future(compiling)
         done, _ = await asyncio.wait({fut}, timeout=self.config.compile_timeout_s)
         if not done:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed later
             raise GrammarError(
                 f"compiling the grammar took longer than {self.config.compile_timeout_s:g}s "
                 "(--structured-output-compile-timeout)")
-        return fut.result()
+        fut.result()  # raises the compile's GrammarError
+        return CompiledConstraint(spec, compiling)
 
     def request_for(self, spec: StructuredOutputsParams) -> StructuredOutputRequest:
         return StructuredOutputRequest(self.submit(spec))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledConstraint:
+    """A constraint compiled for this engine's tokenizer, from ``StructuredOutputManager.compile``.
+
+    The HTTP handler holds it from its compile check to ``AsyncEngine.add_request``, so a request
+    runs on the very compile that was checked. ``future`` is done and holds a grammar.
+    """
+
+    spec: StructuredOutputsParams
+    future: Future[xgr.CompiledGrammar]
+
+    def new_request(self) -> StructuredOutputRequest:
+        """Grammar state for one more request (its own matcher over this grammar)."""
+        return StructuredOutputRequest(self.future)
 
 
 class StructuredOutputRequest:

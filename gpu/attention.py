@@ -121,17 +121,17 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode attention and KV writes from ``kernels/cpu_ops`` (C++,
-    compiled on first use): no padded K/V copy per layer, 3x faster than the reference at 32
-    decodes; one call per layer for the KV write instead of four torch ops; prefill chunks
-    from a flash-attention-style kernel."""
+    compiled on first use): no padded K/V copy per layer (``loadtest/RESULTS.md``); one call
+    per layer for the KV write instead of four torch ops; prefill chunks from a
+    flash-attention-style kernel."""
 
     name = "cpu"
     decode = staticmethod(cpu_ops.paged_decode_attention)
 
     @staticmethod
     def prefill(query: torch.Tensor, *args) -> torch.Tensor:
-        """Our flash-style kernel where it is built for this head size (2-3x torch's SDPA per
-        sequence on SmolLM2's prompts), else the reference."""
+        """Our flash-style kernel where it is built for this head size (faster than torch's
+        SDPA per sequence: ``loadtest/RESULTS.md``), else the reference."""
         if cpu_ops.prefill_supported(query.shape[2]):
             return cpu_ops.paged_prefill_attention(query, *args)
         return reference.paged_prefill_attention(query, *args)

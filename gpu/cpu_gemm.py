@@ -1,9 +1,9 @@
 """Linear layers with oneDNN pre-packed weights, for bfloat16 on x86 CPUs.
 
-``F.linear`` on a bfloat16 CPU tensor reaches oneDNN (AMX on this machine's Xeon) but hands it
-a plain row-major weight, which oneDNN re-lays-out into its blocked format on every call. On
-SmolLM2's shapes that costs 1.5-2.5x at decode batch sizes (1-32 rows): the lm_head
-(49152 x 576) took 6.7 ms per row-1 call, 2.9 ms pre-packed. Packing once after loading is
+``F.linear`` on a bfloat16 CPU tensor reaches oneDNN (AMX or AVX512-BF16 kernels) but hands it
+a plain row-major weight, which oneDNN re-lays-out into its blocked format on every call: at
+decode batch sizes (1-32 rows) that re-layout costs more than the multiply
+(``loadtest/RESULTS.md``). Packing once after loading is
 what vLLM's CPU path does (``dispatch_cpu_unquantized_gemm`` in
 ``vllm/model_executor/layers/utils.py``); here through torch's own ``mkldnn`` ops, the ones
 inductor uses when it freezes a bfloat16 model.

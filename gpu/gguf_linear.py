@@ -58,7 +58,7 @@ class GGUFLinear(nn.Module):
     Up to ``max_rows`` rows (decode steps of a few sequences, where reading the weights is the
     cost) go through ``gguf_ops.gguf_linear``; in a bfloat16 model more rows go to ``dense``, the
     de-quantized layer, because there the multiply-adds are the cost and oneDNN's bfloat16
-    kernels do them 3-4x faster than our float32 ones (SmolLM2's shapes at 8-512 rows).
+    kernels do them several times faster than our float32 ones (``loadtest/RESULTS.md``).
 
     Args:
         dense: the loaded ``nn.Linear`` (its bias is used on both paths).
@@ -72,8 +72,8 @@ class GGUFLinear(nn.Module):
     def __init__(self, dense: nn.Linear, qweight: torch.Tensor, qtype: int):
         super().__init__()
         self.dense = dense
-        # Against float32 ``F.linear`` our kernel is 2-3x faster up to 8 rows and even at 512
-        # (``loadtest/bench_gguf_linear.py``): a float32 model never takes the dense path.
+        # Against float32 ``F.linear`` our kernel is faster at few rows and even at 512
+        # (``loadtest/bench_gguf_linear.py``, RESULTS.md): a float32 model never goes dense.
         self.max_rows = sys.maxsize if dense.weight.dtype == torch.float32 else 4
         self.qweight, self.qtype = qweight.contiguous(), qtype
         self.in_features, self.out_features = dense.in_features, dense.out_features
@@ -144,7 +144,8 @@ def read_blocks(gguf_file: Path, config: PretrainedConfig) -> tuple[dict, list[s
 def load_blocks(gguf_file: Path, config: PretrainedConfig,
                 cache_dir: Path | None = None) -> tuple[dict, list[str]]:
     """``read_blocks``, cached as safetensors in ``cache_dir`` (the file's converted folder):
-    parsing the GGUF took 2 s of every start, reading the cache a tenth of that."""
+    parsing the GGUF is a noticeable share of every start, reading the cache a small fraction
+    of it (``loadtest/RESULTS.md``)."""
     cached = cache_dir / BLOCKS_CACHE if cache_dir is not None else None
     if cached is not None and cached.exists():
         with safe_open(cached, framework="pt") as f:

@@ -46,8 +46,7 @@ def cpu_threads() -> int:
     """torch threads for the forward pass: ``PAGEDSERVE_CPU_THREADS``, else every core.
 
     The event loop (HTTP, SSE, detokenizing) shares a core with one of them; it is light
-    enough that on this 2-core machine 2 threads beat 1 end to end: 122 against 72 output
-    tok/s at 8 streams, 203 against 140 at 32 (loadgen workload, bfloat16).
+    enough that even on 2 cores 2 threads beat 1 end to end (``loadtest/RESULTS.md``).
     """
     env = os.environ.get("PAGEDSERVE_CPU_THREADS")
     if env:

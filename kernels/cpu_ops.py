@@ -1,20 +1,20 @@
 """Our CPU kernels (``kernels/csrc/cpu_ops.cpp``): build, load, call.
 
 - ``paged_decode_attention``: the torch reference gathers every sequence's K/V blocks into a
-  padded copy and runs SDPA on it; at 32 decodes of ~200 tokens that gather and SDPA were 44%
-  of a bfloat16 step. This kernel reads the blocks in place, and takes several queries per
+  padded copy and runs SDPA on it, a large share of a bfloat16 decode step
+  (``loadtest/RESULTS.md``). This kernel reads the blocks in place, and takes several queries per
   sequence (a decode with speculative drafts) as causal decodes of their own.
 - ``paged_prefill_attention``: prefill chunks over the paged cache, flash-attention style
-  with 16 query rows in a register's lanes; 2-3x torch's SDPA called per sequence.
+  with 16 query rows in a register's lanes; faster than torch's SDPA called per sequence.
 - the GGUF block products of ``kernels/csrc/gguf_gemm.cpp`` are built into the same library
   and wrapped in ``kernels/gguf_ops.py``.
 - ``rms_norm`` (optionally fused with the residual add), ``silu_and_mul`` and
-  ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, which in
-  bfloat16 were a quarter of a prefill step; ``reshape_and_cache``, the KV write, in one call
+  ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, a real share of
+  a bfloat16 prefill step; ``reshape_and_cache``, the KV write, in one call
   instead of four ops. Same ideas as vLLM's ``csrc/cpu/`` kernels.
 
 The library is compiled on first use with the system's C++ compiler into
-``~/.cache/pagedserve/kernels/`` (a second or two), keyed by the source, the flags and the CPU,
+``~/.cache/pagedserve/kernels/`` (once), keyed by the source, the flags and the CPU,
 and loaded with ctypes. No compiler, or a failed build: ``load()`` returns None and callers keep
 the torch references. All ops take float32 or bfloat16 CPU tensors and compute in float32.
 """

@@ -71,7 +71,7 @@ def paged_decode_attention(
     num_seqs, kv_heads, head_size = query.shape[0], key_cache.shape[2], key_cache.shape[3]
     blocks = block_table[:, :max_blocks].reshape(-1)
     # [B, Hkv, L, D]: every sequence padded to the longest, padding masked. index_select copies
-    # whole blocks (2x faster than advanced indexing on the CPU).
+    # whole blocks (faster than advanced indexing on the CPU: loadtest/RESULTS.md).
     shape = (num_seqs, max_blocks * block_size, kv_heads, head_size)
     k = key_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2)
     v = value_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2)
@@ -120,7 +120,7 @@ def paged_prefill_attention(
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
             causal = False
         # 4-D inputs ([1, H, L, D]): only those reach torch's fused (flash) CPU kernel; 3-D
-        # ones fall back to the unfused math path, ~7-15x slower on a 1.5k-token prompt.
+        # ones fall back to the unfused math path, many times slower (loadtest/RESULTS.md).
         o = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,

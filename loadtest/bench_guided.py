@@ -63,10 +63,10 @@ async def run_batch(engine: AsyncEngine, tag: str, guided: bool, max_tokens: int
         spec = StructuredOutputsParams(json=LONG) if guided and i % 2 == 0 else None
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True,
                                 structured_outputs=spec)
-        if spec is not None:
-            await engine.compile_grammar(spec)  # as the HTTP handler does
+        # compiled first and handed on, as the HTTP handler does
+        grammar = None if spec is None else await engine.compile_grammar(spec)
         n = 0
-        async for d in engine.generate(f"{tag}-{i}", ids, params):
+        async for d in engine.generate(f"{tag}-{i}", ids, params, grammar=grammar):
             n += len(d.token_ids)
         return n
 

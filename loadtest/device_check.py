@@ -240,16 +240,12 @@ def bench_model_dir(dry: bool) -> tuple[str | None, str]:
 
 
 async def serve_step_async(dry: bool, enforce_eager: bool) -> dict:
-    import httpx
+    """Serve ``concurrency`` identical requests, then time the decode step alone."""
     import torch
 
     from pagedserve.actors.config import SchedulerConfig
     from pagedserve.actors.engine import AsyncEngine, EngineConfig
-    from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
     from pagedserve.gpu.config import CacheConfig, ModelConfig
-    from pagedserve.gpu.sampling_params import SamplingParams
-    from pagedserve.server.launch import running_server
-    from pagedserve.server.serving import ServingConfig
 
     concurrency, max_tokens = (2, 4) if dry else (64, 256)
     model, what = bench_model_dir(dry)
@@ -263,51 +259,67 @@ async def serve_step_async(dry: bool, enforce_eager: bool) -> dict:
     )
     engine = await AsyncEngine.start(config)
     runner = engine.executor.runner
+    try:
+        served = await serve_concurrent(engine, concurrency, max_tokens)
+    finally:
+        await engine.shutdown()
+    return {
+        "model": what, "device": str(runner.device), "dtype": str(runner.dtype),
+        "attention_backend": runner.attn_backend.name,
+        "cuda_graphs": runner.cuda_graphs is not None, "num_blocks": runner.num_blocks,
+        "concurrency": concurrency, "max_tokens": max_tokens, **served,
+        **decode_step_vs_floor(runner, concurrency, dry), "torch": torch.__version__,
+    }
+
+
+async def serve_concurrent(engine, concurrency: int, max_tokens: int) -> dict:
+    """``concurrency`` greedy requests of ``max_tokens`` (EOS ignored) at once over HTTP, after
+    one warm-up: output tokens/s, and whether every request got the same tokens."""
+    import httpx
+
+    from pagedserve.server.launch import running_server
+    from pagedserve.server.serving import ServingConfig
+
     prompt = "Write a long story about a lighthouse keeper and the sea."
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    try:
-        async with running_server(engine, ServingConfig("bench")) as url:
-            async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-                await client.post("/v1/chat/completions", json={**body, "max_tokens": 8})
-                start = time.perf_counter()
-                rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
-                                            for _ in range(concurrency)))
-                wall = time.perf_counter() - start
-        answers = [r.json() for r in rs]
-        out_tokens = sum(a["usage"]["completion_tokens"] for a in answers)
-        first_tokens = answers[0]["choices"][0]["token_ids"][:16]
-        same = all(a["choices"][0]["token_ids"] == answers[0]["choices"][0]["token_ids"]
-                   for a in answers)
-    finally:
-        await engine.shutdown()
+    async with running_server(engine, ServingConfig("bench")) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            await client.post("/v1/chat/completions", json={**body, "max_tokens": 8})
+            start = time.perf_counter()
+            rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
+                                        for _ in range(concurrency)))
+            wall = time.perf_counter() - start
+    answers = [r.json() for r in rs]
+    out_tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+    tokens = [a["choices"][0]["token_ids"] for a in answers]
+    return {"output_tokens": out_tokens, "wall_s": round(wall, 3),
+            "output_tok_s": round(out_tokens / wall, 1),
+            "all_requests_same_tokens": all(t == tokens[0] for t in tokens),
+            "first_tokens": tokens[0][:16]}
 
-    # Decode step alone: `concurrency` requests at context 512 on blocks of their own.
+
+def decode_step_vs_floor(runner, concurrency: int, dry: bool) -> dict:
+    """One decode step of ``concurrency`` requests at context 512 on blocks of their own,
+    against its floor: every weight read once plus the context's K/V, over copy bandwidth."""
+    from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
+    from pagedserve.gpu.sampling_params import SamplingParams
+
     ctx, bs = (24 if dry else 512), runner.block_size
     per_seq = -(-(ctx + 1) // bs)
     reqs = [ScheduledRequest(f"s{i}", [11], ctx, list(range(i * per_seq, (i + 1) * per_seq)),
                              SamplingParams(temperature=0.0), True) for i in range(concurrency)]
     so = SchedulerOutput(reqs)
-    device = runner.device
-    step_ms = bench_ms(lambda: runner.execute_model(so), device, warmup=3, reps=20)
-    bw = copy_bandwidth_gbs(device, (16 if dry else 1024) * 2**20)
-    # Floor: every weight read once (parameters() yields tied ones once), plus K/V of the context.
+    step_ms = bench_ms(lambda: runner.execute_model(so), runner.device, warmup=3, reps=20)
+    bw = copy_bandwidth_gbs(runner.device, (16 if dry else 1024) * 2**20)
+    # parameters() yields tied weights once
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kc = runner.kv_caches[0][0]  # [blocks, block_size, kv_heads, head_size]
     kv_read = (2 * len(runner.kv_caches) * concurrency * (ctx + 1) * kc.shape[2] * kc.shape[3]
                * kc.element_size())
     floor_ms = (weights + kv_read) / bw / 1e6
-    return {
-        "model": what, "device": str(device), "dtype": str(runner.dtype),
-        "attention_backend": runner.attn_backend.name,
-        "cuda_graphs": runner.cuda_graphs is not None, "num_blocks": runner.num_blocks,
-        "concurrency": concurrency,
-        "max_tokens": max_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
-        "output_tok_s": round(out_tokens / wall, 1), "all_requests_same_tokens": same,
-        "first_tokens": first_tokens, "decode_step_ms": round(step_ms, 3),
-        "decode_floor_ms": round(floor_ms, 3), "weights_mb": round(weights / 1e6, 1),
-        "copy_gbs": round(bw, 1), "torch": torch.__version__,
-    }
+    return {"decode_step_ms": round(step_ms, 3), "decode_floor_ms": round(floor_ms, 3),
+            "weights_mb": round(weights / 1e6, 1), "copy_gbs": round(bw, 1)}
 
 
 def serve_step(dry: bool) -> None:

@@ -9,7 +9,8 @@ column).
 A share of users disconnects mid-stream (``--disconnect-share 0.25`` or env
 ``PAGEDSERVE_DISCONNECT_SHARE``): after a few deltas they close the connection, which must make
 the server free the request's KV blocks. Their requests count as successes (row
-``chat [disconnect]``).
+``chat [disconnect]``). The share is exact, not drawn: of every 4 users started, 1 hangs up at
+0.25 (so a short run always has both kinds).
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 4 -t 60s --host http://127.0.0.1:8000 \
         --max-tokens 64 --disconnect-share 0.25
@@ -49,13 +50,17 @@ def _fire(env, name: str, value: float, length: int = 0) -> None:
 
 class ChatUser(HttpUser):
     wait_time = between(0.1, 0.5)
+    started = 0  # users started so far, for the exact disconnect share
 
     def on_start(self) -> None:
         opts = self.environment.parsed_options
         self.model = getattr(opts, "model", "HuggingFaceTB/SmolLM2-135M-Instruct")
         self.max_tokens = getattr(opts, "max_tokens", 64)
         share = getattr(opts, "disconnect_share", 0.0)
-        self.disconnects = random.random() < share
+        i = ChatUser.started
+        ChatUser.started += 1
+        # user i hangs up when the running count of hang-ups, i * share rounded down, steps up
+        self.disconnects = int((i + 1) * share) > int(i * share)
 
     @task
     def chat(self) -> None:

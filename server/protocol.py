@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.server.structured_output import StructuredOutputFields
+from pagedserve.server.structured_output_fields import StructuredOutputFields
 
 
 class _Body(BaseModel):

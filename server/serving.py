@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 from pagedserve.actors.engine import AsyncEngine
 from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
-from pagedserve.actors.structured_output import GrammarError
+from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
@@ -97,20 +97,24 @@ class Serving:
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
         )
 
-    async def _structured_outputs(self, body: Any, params: SamplingParams) -> None:
+    async def _structured_outputs(
+        self, body: Any, params: SamplingParams,
+    ) -> CompiledConstraint | None:
         """Attach the request's guided-decoding constraint, compiled now so that a bad one is a
-        400 before any stream starts."""
+        400 before any stream starts; the compiled grammar goes on to ``add_request``."""
         spec, param = body.structured_outputs_params()
         if spec is None:
-            return
+            return None
         try:
-            await self.engine.compile_grammar(spec)
+            grammar = await self.engine.compile_grammar(spec)
         except GrammarError as e:
             raise OpenAIError(str(e), param=param) from e
         params.structured_outputs = spec
+        return grammar
 
     async def _start(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: _SamplingBody,
+        grammar: CompiledConstraint | None,
     ) -> list[RequestStream]:
         """Queue ``n`` engine requests; all accepted, or none kept and an HTTP error raised."""
         if body.priority != 0 and self.engine.config.scheduler.policy != "priority":
@@ -124,7 +128,7 @@ class Serving:
                     params, seed=None if params.seed is None else params.seed + i)
                 streams.append(await self.engine.add_request(
                     f"{request_id}-{i}" if body.n > 1 else request_id, prompt_ids, child,
-                    priority=body.priority, cache_salt=body.cache_salt))
+                    priority=body.priority, cache_salt=body.cache_salt, grammar=grammar))
         except EngineOverloaded as e:
             close_all(streams)
             raise OpenAIError(str(e), status=503, headers={"Retry-After": "1"}) from e
@@ -183,9 +187,9 @@ class Serving:
 
     async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
                        params: SamplingParams, chat: bool, echo: str | None = None):
-        await self._structured_outputs(body, params)
+        grammar = await self._structured_outputs(body, params)
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        streams = await self._start(request_id, prompt_ids, params, body)
+        streams = await self._start(request_id, prompt_ids, params, body, grammar)
         builder = ResponseBuilder(
             request_id=request_id, created=int(time.time()),
             model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,

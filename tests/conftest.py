@@ -3,7 +3,9 @@ transformers oracle, and a real Hypercorn server on a loopback port."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -153,3 +155,14 @@ async def stats(client: httpx.AsyncClient) -> dict:
     r = await client.get("/admin/stats")
     assert r.status_code == 200
     return r.json()
+
+
+async def until_stats(client: httpx.AsyncClient, check, what: str,
+                      timeout: float = 120.0) -> dict:
+    """Poll /admin/stats until ``check(stats)`` holds and return those stats. A state, however
+    long a slow or loaded machine takes: ``timeout`` only catches a hung server."""
+    deadline = time.monotonic() + timeout
+    while not check(s := await stats(client)):
+        assert time.monotonic() < deadline, f"never {what}: {s['scheduler']}"
+        await asyncio.sleep(0.01)
+    return s

@@ -1,14 +1,18 @@
 """The structured-output manager on the real SmolLM2 tokenizer: keys, keyword checks, stop
-tokens, the LRU, a padded vocabulary, and JSON's end."""
+tokens, the LRU, a padded vocabulary, and JSON's end; and the scheduler parking a request whose
+grammar is still compiling (``WAITING_FOR_GRAMMAR``) on the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 
 import pytest
 import torch
 import xgrammar as xgr
 
+from pagedserve.actors.engine import AsyncEngine, EngineError
 from pagedserve.actors.structured_output import (
     GrammarError,
     StructuredOutputConfig,
@@ -17,8 +21,9 @@ from pagedserve.actors.structured_output import (
     check_json_schema,
 )
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.sampling_params import StructuredOutputsParams as Spec
-from tests.conftest import hf_tokenizer
+from tests.conftest import chat_prompt_ids, engine_config, hf_tokenizer
 
 VOCAB = 49152
 PADDED = VOCAB + 64  # a model whose embedding is larger than its tokenizer
@@ -99,3 +104,58 @@ def test_json_ends_at_the_closing_brace(manager, tokenizer):
     matcher = manager.request_for(Spec(json_object=True)).matcher
     assert matcher.accept_string("{" + " " * 16)
     assert not matcher.accept_string(" ")
+
+
+async def test_waiting_for_grammar_then_runs(tiny_model_dir):
+    """A caller that skips the handler's compile: the scheduler parks the request, not itself."""
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir))
+    try:
+        spec = Spec(json={"type": "object", "properties": {
+            f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 5 + 1}}}-[0-9]{{2}}$"}
+            for i in range(80)}}, disable_any_whitespace=True)
+        ids = chat_prompt_ids(tiny_model_dir, "json")
+        params = SamplingParams(temperature=0, max_tokens=300, structured_outputs=spec)
+
+        async def run(rid: str, p: SamplingParams) -> str:
+            return "".join([d.text async for d in engine.generate(rid, ids, p)])
+
+        task = asyncio.create_task(run("guided", params))
+        await asyncio.sleep(0)  # the task sends AddRequest, then waits for output
+        s = await engine.get_stats()
+        assert s.scheduler.num_waiting_for_grammar == 1
+        plain = await run("plain", SamplingParams(temperature=0, max_tokens=5))
+        assert plain
+        out = json.loads(await task)
+        assert all(re.fullmatch(r"[a-z]{1,5}-[0-9]{2}", v) for v in out.values())
+        assert (await engine.get_stats()).scheduler.num_waiting_for_grammar == 0
+        bad = SamplingParams(max_tokens=5, structured_outputs=Spec(regex="[a-"))
+        with pytest.raises(EngineError, match="Unclosed"):
+            await run("bad", bad)
+    finally:
+        await engine.shutdown()
+
+
+async def test_the_checked_compile_is_the_one_the_requests_run_on(tiny_model_dir):
+    """``compile_grammar``'s result starts the requests as is: no second look-up, so neither a
+    recompile nor ``WAITING_FOR_GRAMMAR`` once the cache has evicted it; each request its own
+    matcher over the one grammar."""
+    config = engine_config(tiny_model_dir)
+    config.structured_output.cache_size = 1
+    engine = await AsyncEngine.start(config)
+    try:
+        spec, other = Spec(regex="[a-z]{3}"), Spec(regex="[0-9]{3}")
+        grammar = await engine.compile_grammar(spec)
+        await engine.compile_grammar(other)  # evicts spec's entry
+        ids = chat_prompt_ids(tiny_model_dir, "three letters")
+        params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=spec)
+        streams = [await engine.add_request(f"r{i}", ids, params, grammar=grammar)
+                   for i in range(2)]
+        assert (await engine.get_stats()).scheduler.num_waiting_for_grammar == 0
+        for stream in streams:
+            assert re.fullmatch("[a-z]{3}", "".join([d.text async for d in stream]))
+        assert list(engine.structured_output._cache) == [cache_key(other)]  # no recompile
+        with pytest.raises(ValueError, match="another constraint"):
+            await engine.add_request("r2", ids, SamplingParams(structured_outputs=other),
+                                     grammar=grammar)
+    finally:
+        await engine.shutdown()

@@ -48,7 +48,8 @@ def assert_idle(s: dict) -> None:
     assert kv["num_free_blocks"] == kv["num_blocks"] and kv["usage"] == 0.0, kv
 
 
-async def wait_idle(client: httpx.AsyncClient, timeout: float = 2.0) -> dict:
+async def wait_idle(client: httpx.AsyncClient, timeout: float = 120.0) -> dict:
+    """Poll until idle; ``timeout`` only catches a hung server, not a slow machine."""
     deadline = time.monotonic() + timeout
     while True:
         s = await stats(client)
@@ -67,7 +68,7 @@ async def test_stats_under_load_then_idle_after_mass_abort(client, tiny_model_di
     seen: list[int] = []
     tasks = [asyncio.create_task(stream_forever(client, prompt(i), seen)) for i in range(16)]
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a hung server, not a slow one
         while True:  # until every request is in (and the running ones have tokens)
             s = await stats(client)
             sched = s["scheduler"]

@@ -25,7 +25,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def browser():
     try:
-        from playwright.async_api import async_playwright
+        from playwright.async_api import async_playwright, expect
     except ImportError:
         async_playwright = None
     if async_playwright is None or not os.access(CHROMIUM, os.X_OK):
@@ -34,6 +34,7 @@ async def browser():
             pytest.fail(why)
         pytest.skip(why)
     ARTIFACTS.mkdir(exist_ok=True)
+    expect.set_options(timeout=60_000)  # a deadline for a hung page, not for a slow machine
     async with async_playwright() as p:
         b = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b
@@ -54,7 +55,9 @@ def assert_offline(seen: list, base: str) -> None:
     assert seen and all(r.url.startswith(base) for r in seen), [r.url for r in seen]
 
 
-async def wait_for(check, timeout: float = 5.0, what: str = ""):
+async def wait_for(check, timeout: float = 120.0, what: str = ""):
+    """Until ``check()`` is true; ``timeout`` only catches a hung page or server, not a slow
+    machine."""
     deadline = time.monotonic() + timeout
     while True:
         result = await check()
@@ -74,68 +77,86 @@ async def abort_count(client: httpx.AsyncClient, headers=None) -> float:
     return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
 
 
-async def test_chat_page_streams_keeps_conversation_and_stop_aborts(browser, tiny_model_dir):
-    from playwright.async_api import expect
+async def tokens_shown(page) -> int:
+    return int(await page.locator("#gen-stats").get_attribute("data-tokens") or 0)
 
+
+async def test_chat_page_streams_keeps_conversation_and_stop_aborts(browser, tiny_model_dir):
     # Long enough to still be streaming when Stop is clicked on a fast machine (the tiny model
     # makes ~1,200 tokens/s on one).
     async with serve(tiny_model_dir, max_model_len=20480, num_blocks=1400) as client:
         base = str(client.base_url).rstrip("/")
         page = await browser.new_page(viewport={"width": 1100, "height": 760})
         seen = watch_requests(page, base)
-        await page.goto(base + "/")
-        await expect(page.locator("#model-name")).to_have_text(TINY_NAME)
-        await page.click("#settings summary")
-        await page.fill("#api-key", "sk-page")
-        await page.fill("#max-tokens", "20000")
-        await page.fill("#temperature", "0")
-        await page.check("#ignore-eos")
-        await page.fill("#prompt", "Tell me a very long story about paged attention.")
-        await page.press("#prompt", "Enter")
-
-        # tokens stream into the page while the server is still generating
-        async def tokens_shown() -> int:
-            return int(await page.locator("#gen-stats").get_attribute("data-tokens") or 0)
-
-        await wait_for(lambda: _at_least(tokens_shown(), 20), 30.0, "20 streamed tokens")
-        answer = page.locator(".msg.assistant .content").last
-        assert len(await answer.inner_text()) > 0
-        busy = await stats(client)
-        assert busy["scheduler"]["num_running"] == 1
-        assert busy["kv_cache"]["num_free_blocks"] < busy["kv_cache"]["num_blocks"]
-        assert busy["scheduler"]["requests"][0]["output_tokens"] >= 20
-        await expect(page.locator("#stop")).to_be_enabled()
-        await page.screenshot(path=ARTIFACTS / "chat-streaming.png")
-
-        await page.click("#stop")
-        idle = await wait_for(lambda: _idle(client), 2.0, "the aborted request's blocks")
-        assert idle["kv_cache"]["usage"] == 0.0 and idle["scheduler"]["requests"] == []
-        assert await abort_count(client) == 1
-        await expect(page.locator("#gen-stats")).to_contain_text("stopped")
-        shown = await tokens_shown()
-        await asyncio.sleep(0.3)
-        assert await tokens_shown() == shown
-        assert float(await page.locator("#gen-stats").get_attribute("data-tokens-per-s")) > 0
-        stopped_text = await answer.inner_text()
-        await page.screenshot(path=ARTIFACTS / "chat-stopped.png")
-
-        # a second turn carries the conversation, the partial answer included
-        await page.uncheck("#ignore-eos")
-        await page.fill("#max-tokens", "8")
-        await page.fill("#prompt", "And then?")
-        await page.click("#send")
-        await expect(page.locator("#gen-stats")).to_contain_text("finished", timeout=30000)
-        await expect(page.locator(".msg")).to_have_count(4)
-        posts = [r for r in seen if not isinstance(r, Exception) and r.method == "POST"]
-        assert len(posts) == 2
-        second = json.loads(posts[1].post_data)
-        assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
-        assert second["messages"][1]["content"] == stopped_text
-        assert second["stream"] is True and second["max_tokens"] == 8
-        assert all(r.headers.get("authorization") == "Bearer sk-page" for r in posts)
-        await page.screenshot(path=ARTIFACTS / "chat-conversation.png")
+        answer = await _first_turn_streams(page, client, base)
+        stopped_text = await _stop_aborts(page, client, answer)
+        await _second_turn_carries_the_conversation(page, seen, stopped_text)
         assert_offline(seen, base)
         await page.close()
+
+
+async def _first_turn_streams(page, client: httpx.AsyncClient, base: str):
+    """Tokens stream into the page while the server is still generating; returns the answer."""
+    from playwright.async_api import expect
+
+    await page.goto(base + "/")
+    await expect(page.locator("#model-name")).to_have_text(TINY_NAME)
+    await page.click("#settings summary")
+    await page.fill("#api-key", "sk-page")
+    await page.fill("#max-tokens", "20000")
+    await page.fill("#temperature", "0")
+    await page.check("#ignore-eos")
+    await page.fill("#prompt", "Tell me a very long story about paged attention.")
+    await page.press("#prompt", "Enter")
+    await wait_for(lambda: _at_least(tokens_shown(page), 20), what="20 streamed tokens")
+    answer = page.locator(".msg.assistant .content").last
+    assert len(await answer.inner_text()) > 0
+    busy = await stats(client)
+    assert busy["scheduler"]["num_running"] == 1
+    assert busy["kv_cache"]["num_free_blocks"] < busy["kv_cache"]["num_blocks"]
+    assert busy["scheduler"]["requests"][0]["output_tokens"] >= 20
+    await expect(page.locator("#stop")).to_be_enabled()
+    await page.screenshot(path=ARTIFACTS / "chat-streaming.png")
+    return answer
+
+
+async def _stop_aborts(page, client: httpx.AsyncClient, answer) -> str:
+    """Stop aborts the request (its blocks come back) and the page stops counting; returns the
+    partial answer."""
+    from playwright.async_api import expect
+
+    await page.click("#stop")
+    idle = await wait_for(lambda: _idle(client), what="the aborted request's blocks")
+    assert idle["kv_cache"]["usage"] == 0.0 and idle["scheduler"]["requests"] == []
+    assert await abort_count(client) == 1
+    await expect(page.locator("#gen-stats")).to_contain_text("stopped")
+    shown = await tokens_shown(page)
+    await asyncio.sleep(0.3)
+    assert await tokens_shown(page) == shown
+    assert float(await page.locator("#gen-stats").get_attribute("data-tokens-per-s")) > 0
+    stopped_text = await answer.inner_text()
+    await page.screenshot(path=ARTIFACTS / "chat-stopped.png")
+    return stopped_text
+
+
+async def _second_turn_carries_the_conversation(page, seen: list, stopped_text: str) -> None:
+    """A second turn sends the conversation, the partial answer included."""
+    from playwright.async_api import expect
+
+    await page.uncheck("#ignore-eos")
+    await page.fill("#max-tokens", "8")
+    await page.fill("#prompt", "And then?")
+    await page.click("#send")
+    await expect(page.locator("#gen-stats")).to_contain_text("finished", timeout=120_000)
+    await expect(page.locator(".msg")).to_have_count(4)
+    posts = [r for r in seen if not isinstance(r, Exception) and r.method == "POST"]
+    assert len(posts) == 2
+    second = json.loads(posts[1].post_data)
+    assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+    assert second["messages"][1]["content"] == stopped_text
+    assert second["stream"] is True and second["max_tokens"] == 8
+    assert all(r.headers.get("authorization") == "Bearer sk-page" for r in posts)
+    await page.screenshot(path=ARTIFACTS / "chat-conversation.png")
 
 
 async def _idle(client: httpx.AsyncClient, headers=None) -> dict | None:
@@ -151,6 +172,10 @@ async def long_stream(client: httpx.AsyncClient, i: int) -> None:
     async with client.stream("POST", "/v1/completions", json=payload) as r:
         async for _ in r.aiter_lines():
             pass
+
+
+async def snapshots(page) -> int:
+    return await page.evaluate("window.pagedserveDashboard.snapshots")
 
 
 async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
@@ -176,13 +201,12 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
         before = await queues.evaluate("c => c.toDataURL()")
         tasks = [asyncio.create_task(long_stream(client, i)) for i in range(8)]
         try:
-            await expect(page.locator("#num-running")).to_have_text("4", timeout=30000)
+            await expect(page.locator("#num-running")).to_have_text("4", timeout=120_000)
             await expect(page.locator("#num-waiting")).to_have_text("4")
             await expect(page.locator("#requests tbody tr")).to_have_count(8)
-            n0 = await page.evaluate("window.pagedserveDashboard.snapshots")
-            await asyncio.sleep(1.5)  # the charts keep moving under load
-            n1 = await page.evaluate("window.pagedserveDashboard.snapshots")
-            assert n1 - n0 >= 3
+            n0 = await snapshots(page)
+            # the charts keep moving under load: three more snapshots, however long they take
+            await wait_for(lambda: _at_least(snapshots(page), n0 + 3), what="3 more snapshots")
             assert await queues.evaluate("c => c.toDataURL()") != before
             for chart in ("#chart-kv", "#chart-tps", "#chart-step"):
                 blank = await page.evaluate(
@@ -197,7 +221,7 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        await wait_for(lambda: _idle(client, key), 2.0, "idle after the load is cancelled")
+        await wait_for(lambda: _idle(client, key), what="idle after the load is cancelled")
         await expect(page.locator("#num-running")).to_have_text("0")
         await expect(page.locator("#num-waiting")).to_have_text("0")
         await expect(page.locator("#requests tbody tr")).to_have_count(0)

@@ -12,7 +12,15 @@ import pytest_asyncio
 import torch
 
 from pagedserve.server.serving import ServingConfig
-from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.conftest import (
+    _hf_model,
+    chat,
+    chat_prompt_ids,
+    hf_greedy,
+    serve,
+    stats,
+    until_stats,
+)
 
 MSG = [{"role": "user", "content": "Tell me about the weather today."}]
 
@@ -261,15 +269,9 @@ async def test_overload_gets_503_with_retry_after(tiny_model_dir):
     async with serve(tiny_model_dir, max_num_seqs=1, max_waiting_requests=1) as client:
         long = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
         running = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-        for _ in range(500):
-            if (await stats(client))["scheduler"]["num_running"] == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until_stats(client, lambda s: s["scheduler"]["num_running"] == 1, "one running")
         waiting = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-        for _ in range(500):
-            if (await stats(client))["scheduler"]["num_waiting"] == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until_stats(client, lambda s: s["scheduler"]["num_waiting"] == 1, "one waiting")
         r = await client.post("/v1/chat/completions", json={**long, "stream": True})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "ServiceUnavailableError"

@@ -10,33 +10,11 @@ import sys
 
 import pytest
 
-from pagedserve.actors.spec_decode import SpeculativeConfig, parse_speculative_config, propose_ngram
+from pagedserve.actors.spec_decode import SpeculativeConfig
 from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats
 
 REPEAT = ("Repeat this line four times: the quick brown fox jumps over the lazy dog. "
           "the quick brown fox jumps over the lazy dog.")
-
-
-def test_propose_ngram_takes_the_longest_latest_match():
-    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 3, 4, 2) == [4, 5, 1]
-    assert propose_ngram([9, 1, 2, 9, 1, 2, 5, 1, 2], 2, 3, 2) == [5, 1]  # latest 2-gram
-    assert propose_ngram([1, 2, 3, 4, 5, 6], 3, 4, 2) == []  # nothing recurs
-    assert propose_ngram([7, 7, 7, 7], 5, 4, 2) == [7]  # what follows, at most
-    # 256 then 1 pack to bytes that contain 1's packing at an odd offset: never a match.
-    assert propose_ngram([256, 1, 0, 0, 1], 2, 2, 1) == [0, 0]
-    assert propose_ngram([5], 3, 4, 1) == []
-
-
-def test_parse_speculative_config():
-    assert parse_speculative_config('{"num_speculative_tokens": 5}') == SpeculativeConfig(
-        num_speculative_tokens=5)
-    for bad, why in [('{"method": "eagle"}', "only 'ngram'"), ("[1]", "object"),
-                     ('{"num_speculative_tokens": 0}', ">= 1"), ("{oops", "not JSON"),
-                     ('{"prompt_lookup_min": 5}', "prompt_lookup_min >"),
-                     ('{"draft_model": "x"}', "unknown keys"),
-                     ('{"disable_by_batch_size": 0}', "disable_by_batch_size")]:
-        with pytest.raises(ValueError, match=why.replace("(", r"\(")):
-            parse_speculative_config(bad)
 
 
 def test_cli_refuses_a_bad_speculative_config():
