@@ -12,7 +12,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from pagedserve.actors.engine import AsyncEngine, EngineError
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.errors import EngineError
 from pagedserve.actors.structured_output import (
     GrammarError,
     StructuredOutputConfig,
