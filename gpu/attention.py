@@ -1,8 +1,9 @@
 """Attention over paged KV blocks: step metadata, the backends, and how one is chosen.
 
-The batch is ordered decodes first (one query token each), then prefill chunks, as vLLM V1's
-backends expect, so each kind runs as one call: batched decode attention for the first
-``num_decodes`` sequences, variable-length causal attention for the rest.
+The batch is ordered decodes first (one query token each), then decodes with drafts, then
+prefill chunks (``gpu.batch.Segment``), as vLLM V1's backends expect, so each kind runs as one
+call: batched decode attention for the leading sequences that ``BatchLayout.decode_split``
+names, variable-length causal attention for the rest.
 
 Three backends share one interface (``name``, ``write_kv``, ``forward``): ``torch`` (the
 pure-torch reference kernels), ``cpu`` (the reference with decode attention from our C++ kernel,
@@ -21,6 +22,7 @@ from typing import Protocol
 import structlog
 import torch
 
+from pagedserve.gpu.batch import BatchLayout
 from pagedserve.kernels import cpu_ops, reference
 
 log = structlog.get_logger(__name__)
@@ -37,26 +39,20 @@ class AttentionMetadata:
         query_start_loc: ``[B+1]`` int32 offsets of each sequence's tokens in the batch.
         seq_lens: ``[B]`` int32 context length of each sequence after this step.
         block_table: ``[B, max_blocks_per_seq]`` int32 block ids (0-padded).
-        num_decodes: the first ``num_decodes`` sequences have exactly one query token.
-        num_decode_tokens: equals ``num_decodes``.
-        max_query_len, max_seq_len: host-side maxima of the prefill chunks' lengths and of
+        layout: how many sequences (and tokens) are decodes, decodes with drafts and
+            prefill chunks, in that order (host-side ints).
+        max_query_len, max_seq_len: host-side maxima of the query lengths and of
             ``seq_lens``, when known (spares the Triton backend a device sync); ``None`` in a
             captured CUDA graph, whose kernels must not depend on them.
-        num_spec_decodes, num_spec_decode_tokens: the sequences right after the decodes that
-            carry speculative drafts (a few query tokens each), and their tokens. Backends
-            without a multi-query decode treat them as prefill chunks, which they are too.
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
-    num_decodes: int
-    num_decode_tokens: int
+    layout: BatchLayout
     max_query_len: int | None = None
     max_seq_len: int | None = None
-    num_spec_decodes: int = 0
-    num_spec_decode_tokens: int = 0
 
 
 class AttentionBackend(Protocol):
@@ -99,13 +95,10 @@ class TorchAttentionBackend:
         decodes with drafts too; the rest are prefill chunks.
         """
         key_cache, value_cache = kv_cache
-        nd, nt = meta.num_decodes, meta.num_decode_tokens
-        extra = {}
-        if self.multi_query_decode and meta.num_spec_decodes:
-            nd += meta.num_spec_decodes
-            nt += meta.num_spec_decode_tokens
-            extra["query_start_loc"] = meta.query_start_loc[: nd + 1]
-        if nd == meta.seq_lens.shape[0]:
+        nd, nt = meta.layout.decode_split(self.multi_query_decode)
+        # Several queries per sequence: the kernel needs their offsets.
+        extra = {"query_start_loc": meta.query_start_loc[: nd + 1]} if nt > nd else {}
+        if nd == meta.layout.num_reqs:
             return self.decode(query, key_cache, value_cache, meta.block_table, meta.seq_lens,
                                scale, **extra)
         out = torch.empty_like(query)
@@ -145,6 +138,7 @@ class TritonAttentionBackend:
     so a decode step can be captured in a CUDA graph."""
 
     name = "triton"
+    multi_query_decode = False  # decodes with drafts are prefill chunks here
 
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -171,17 +165,17 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         out = torch.empty_like(query)
-        nd = meta.num_decodes
+        nd, nt = meta.layout.decode_split(self.multi_query_decode)  # nt == nd: one query each
         if nd:
             self._decode(
-                query[:nd], key_cache, value_cache, meta.block_table[:nd], meta.seq_lens[:nd],
-                scale, max_seq_len=meta.max_seq_len, out=out[:nd],
+                query[:nt], key_cache, value_cache, meta.block_table[:nd], meta.seq_lens[:nd],
+                scale, max_seq_len=meta.max_seq_len, out=out[:nt],
             )
-        if nd < meta.seq_lens.shape[0]:
+        if nd < meta.layout.num_reqs:
             self._prefill(
-                query[nd:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
-                meta.query_start_loc[nd:] - nd, scale, max_query_len=meta.max_query_len,
-                out=out[nd:],
+                query[nt:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
+                meta.query_start_loc[nd:] - nt, scale, max_query_len=meta.max_query_len,
+                out=out[nt:],
             )
         return out
 

@@ -7,6 +7,7 @@ the tokens it computes this step, whether they are a prefill chunk or one decode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from pagedserve.gpu.sampler import TokenLogprobs
@@ -14,6 +15,16 @@ from pagedserve.gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+
+class Segment(IntEnum):
+    """The three kinds of request in a step, in the order the flattened batch holds them
+    (vLLM V1's backends split a batch the same way): decode attention takes a run of decodes
+    in one call, variable-length attention the prefill chunks in another."""
+
+    DECODE = 0  # one query token: a sampled token fed back (or a one-token chunk)
+    SPEC_DECODE = 1  # a sampled token and its drafts: a few causal queries
+    PREFILL = 2  # a prompt chunk, or tokens recomputed after preemption
 
 
 @dataclass(slots=True)
@@ -49,6 +60,67 @@ class ScheduledRequest:
     def num_step_tokens(self) -> int:
         """Tokens whose K/V this step writes: ``token_ids`` and the drafts."""
         return len(self.token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token this step: what decode attention (and a CUDA graph) takes."""
+        return self.num_step_tokens == 1
+
+    @property
+    def segment(self) -> Segment:
+        if self.is_decode:
+            return Segment.DECODE
+        return Segment.SPEC_DECODE if self.spec_token_ids else Segment.PREFILL
+
+
+def order_batch(reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The requests in batch order (``Segment``'s), each segment in scheduling order."""
+    return sorted(reqs, key=lambda r: r.segment)
+
+
+@dataclass(slots=True, frozen=True)
+class BatchLayout:
+    """How many requests and tokens each segment of a step's batch holds, in batch order:
+    decodes (one token each), decodes with drafts, prefill chunks.
+
+    The attention metadata carries it; ``decode_split`` is the one place that says which
+    leading part of the batch goes to decode attention.
+    """
+
+    num_decodes: int
+    num_spec_decodes: int = 0
+    num_spec_decode_tokens: int = 0
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+
+    @classmethod
+    def of(cls, reqs: list[ScheduledRequest]) -> BatchLayout:
+        """The layout of ``reqs``. Raises ``ValueError`` if they are not in batch order."""
+        counts = [0, 0, 0]
+        tokens = [0, 0, 0]
+        last = Segment.DECODE
+        for r in reqs:
+            seg = r.segment
+            if seg < last:
+                raise ValueError(f"request {r.req_id!r} ({seg.name}) after a {last.name}: "
+                                 "the batch must be ordered (order_batch)")
+            last = seg
+            counts[seg] += 1
+            tokens[seg] += r.num_step_tokens
+        return cls(counts[0], counts[1], tokens[1], counts[2], tokens[2])
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_decodes + self.num_spec_decodes + self.num_prefills
+
+    def decode_split(self, multi_query_decode: bool) -> tuple[int, int]:
+        """``(requests, tokens)`` at the head of the batch for decode attention: the decodes,
+        and with a kernel that takes several queries per sequence (``multi_query_decode``) the
+        decodes with drafts too. The rest are prefill chunks, which drafts also are."""
+        if multi_query_decode:
+            return (self.num_decodes + self.num_spec_decodes,
+                    self.num_decodes + self.num_spec_decode_tokens)
+        return self.num_decodes, self.num_decodes
 
 
 @dataclass(slots=True)

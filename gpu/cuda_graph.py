@@ -22,7 +22,8 @@ import structlog
 import torch
 
 from pagedserve.gpu.attention import AttentionMetadata
-from pagedserve.gpu.batch import ScheduledRequest
+from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
+from pagedserve.gpu.step_inputs import StepInputs
 
 log = structlog.get_logger(__name__)
 
@@ -44,14 +45,14 @@ class DecodeBatch:
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._rows: list[list[int] | None] = [None] * max_batch  # block ids held by each row
 
-    def inputs(self, b: int):
-        """``(input_ids, positions, meta, logits_indices)`` views for a batch of ``b`` rows."""
-        meta = AttentionMetadata(
+    def inputs(self, b: int) -> StepInputs:
+        """Views of the first ``b`` rows: a step of ``b`` decodes, every one sampled."""
+        attn = AttentionMetadata(
             slot_mapping=self.step[2, :b], query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.step[3, :b], block_table=self.block_table[:b],
-            num_decodes=b, num_decode_tokens=b,
+            layout=BatchLayout(num_decodes=b),
         )
-        return self.step[0, :b], self.step[1, :b], meta, self.logits_indices[:b]
+        return StepInputs(self.step[0, :b], self.step[1, :b], attn, self.logits_indices[:b])
 
     def update(self, reqs: list[ScheduledRequest], padded: int, block_size: int) -> None:
         """Copy this step's decodes into the first rows; the rows up to ``padded`` pad."""
@@ -88,20 +89,19 @@ class CudaGraphRunner:
         pool = None
         with torch.inference_mode():
             for b in reversed(self.sizes):  # largest first: the others fit in its memory pool
-                input_ids, positions, meta, logits_indices = self.batch.inputs(b)
-                model(input_ids, positions, kv_caches, meta, logits_indices)  # compile, warm up
+                inputs = self.batch.inputs(b)
+                model(inputs, kv_caches)  # compile, warm up
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = model(input_ids, positions, kv_caches, meta, logits_indices)
+                    logits = model(inputs, kv_caches)
                 pool = graph.pool()
                 self.graphs[b] = (graph, logits)
         log.info("cuda_graphs_captured", batch_sizes=len(self.sizes), largest=self.sizes[-1])
 
     def can_run(self, reqs: list[ScheduledRequest]) -> bool:
-        """A step of sampled single tokens (decodes), no larger than the largest graph."""
-        return len(reqs) <= self.sizes[-1] and all(r.num_step_tokens == 1 and r.sample
-                                                    for r in reqs)
+        """A step of decodes, each sampled, no larger than the largest graph."""
+        return len(reqs) <= self.sizes[-1] and all(r.is_decode and r.sample for r in reqs)
 
     def run(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """Logits ``[len(reqs), vocab]`` of a decode-only step (every request is sampled)."""

@@ -13,15 +13,19 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from transformers import PretrainedConfig
+
 from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader
-from pagedserve.gpu.attention import AttentionMetadata, get_attention_backend
-from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
+from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.step_inputs import prepare_inputs
 
 log = structlog.get_logger(__name__)
 
@@ -108,7 +112,12 @@ class ModelInfo:
 
 class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request RNGs. Not thread-safe: the
-    executor actor calls it from its one worker thread."""
+    executor actor calls it from its one worker thread.
+
+    ``load`` builds it in steps: pick the device and dtype, build the model
+    (``_build_model``), size and allocate the KV cache (``_size_kv_cache``), capture the decode
+    graphs (``_capture_cuda_graphs``, CUDA only). Until then the fields it sets are empty.
+    """
 
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -120,15 +129,31 @@ class ModelRunner:
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.generators: dict[str, torch.Generator] = {}
-        # Every token of each live request, as computed so far (penalties read them).
-        self.token_ids: dict[str, list[int]] = {}
+        self.block_size = cache_config.block_size
+        # load(): where, and in which dtype.
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        # _build_model()
+        self.hf_config: PretrainedConfig | None = None
+        self.max_model_len = 0
+        self.attn_backend: AttentionBackend | None = None
+        self.model: LlamaForCausalLM | None = None
+        self.quantization: str | None = None  # "gguf": the file's quantized blocks are kept
+        self.eos_token_ids: list[int] = []
+        # _size_kv_cache()
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer
+        # _capture_cuda_graphs()
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Per live request: its seeded RNG, and every token computed so far (penalties read
+        # them).
+        self.generators: dict[str, torch.Generator] = {}
+        self.token_ids: dict[str, list[int]] = {}
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
         start = time.perf_counter()
-        mc, cc = self.model_config, self.cache_config
+        mc = self.model_config
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device here "
@@ -138,22 +163,25 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads())
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
+        model_bytes = self._build_model(resolved)
+        self._size_kv_cache(model_bytes)
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self._capture_cuda_graphs()
+        log.info("attention_backend", name=self.attn_backend.name,
+                 cuda_graphs=self.cuda_graphs is not None)
+        return self._model_info(resolved, time.perf_counter() - start)
+
+    def _build_model(self, resolved: loader.ResolvedModel) -> int:
+        """Config, attention backend and layer ops, then the model with its weights (quantized
+        or packed where that runs faster). Returns the bytes the weights take."""
+        mc = self.model_config
         self.hf_config = loader.load_config(resolved.path)
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
         self.attn_backend = get_attention_backend(self.device, self.dtype)
-        # Our CPU kernels for the elementwise ops go with the cpu backend; the torch backend
-        # stays the pure-torch reference throughout.
-        fused = self.attn_backend.name == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, self.attn_backend, self.max_model_len, fused)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        # Buffers (RoPE tables) were on meta: rebuild them for real, in float32.
-        model.model.rotary_emb = type(model.model.rotary_emb)(
-            self.hf_config, model.model.layers[0].self_attn.head_size, self.max_model_len
-        ).to(self.device)
-        if getattr(self.hf_config, "tie_word_embeddings", False):
-            model.lm_head.weight = model.model.embed_tokens.weight
+        ops = get_layer_ops(self.attn_backend.name, self.dtype)
+        model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len, ops,
+                                       self.device, self.dtype)
         loader.load_weights(model, resolved.path)
         self.quantization = pick_quantization(mc.quantization, resolved, self.device,
                                               self.dtype)
@@ -166,7 +194,13 @@ class ModelRunner:
         if cpu_gemm.can_pack(self.dtype, self.device):
             cpu_gemm.pack_linears(model)
         self.model = model.eval()
-        self.block_size = cc.block_size
+        self.eos_token_ids = self._eos_token_ids(resolved.path)
+        return model_bytes
+
+    def _size_kv_cache(self, model_bytes: int) -> None:
+        """As many blocks as the budget holds (on CUDA, after profiling the largest step), then
+        the per-layer K/V tensors."""
+        cc = self.cache_config
         activation_bytes = None
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
             activation_bytes = self._profile_activation_bytes()
@@ -176,11 +210,8 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
-        if self.device.type == "cuda" and not mc.enforce_eager:
-            self._capture_cuda_graphs()
-        log.info("attention_backend", name=self.attn_backend.name,
-                 cuda_graphs=self.cuda_graphs is not None)
-        self.eos_token_ids = self._eos_token_ids(resolved.path)
+
+    def _model_info(self, resolved: loader.ResolvedModel, load_seconds: float) -> ModelInfo:
         return ModelInfo(
             served_name=resolved.default_served_name,
             path=str(resolved.path),
@@ -190,7 +221,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             eos_token_ids=self.eos_token_ids,
-            load_seconds=time.perf_counter() - start,
+            load_seconds=load_seconds,
             vocab_size=self.hf_config.vocab_size,
             attention_backend=self.attn_backend.name,
             quantization=self.quantization or "none",
@@ -199,7 +230,8 @@ class ModelRunner:
         )
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:
-        """``num_seqs`` prompts sharing ``num_tokens`` tokens, on consecutive blocks from 0."""
+        """``num_seqs`` prompts sharing ``num_tokens`` tokens, on consecutive blocks from 0, in
+        batch order (one-token prompts are decodes, and come first)."""
         reqs, next_block = [], 0
         for i in range(num_seqs):
             n = num_tokens // num_seqs + (i < num_tokens % num_seqs)
@@ -210,7 +242,7 @@ class ModelRunner:
                 sampling_params=SamplingParams(temperature=0.0), sample=True,
             ))
             next_block += nb
-        return reqs
+        return order_batch(reqs)
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
@@ -221,13 +253,13 @@ class ModelRunner:
         num_seqs = max(1, min(self.max_num_seqs, num_tokens))
         reqs = self._dummy_requests(num_tokens, num_seqs)
         scratch = kv_cache.allocate_kv_caches(
-            self.hf_config, reqs[-1].block_ids[-1] + 1, self.block_size, self.dtype, self.device
+            self.hf_config, max(b for r in reqs for b in r.block_ids) + 1, self.block_size,
+            self.dtype, self.device,
         )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        input_ids, positions, meta, logits_indices = self._prepare(reqs)
-        logits = self.model(input_ids, positions, scratch, meta, logits_indices)
+        logits = self.model(prepare_inputs(reqs, self.block_size, self.device), scratch)
         sample(logits, [SampleRow(r.sampling_params, None, [], [], []) for r in reqs])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -263,50 +295,6 @@ class ModelRunner:
             return []
         return list(eos) if isinstance(eos, list | tuple) else [eos]
 
-    def _prepare(self, reqs: list[ScheduledRequest]):
-        """Flatten the batch: decodes, decodes with drafts, prefill chunks (``gpu/attention.py``)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        for r in reqs:
-            n, start = r.num_step_tokens, r.num_computed_tokens
-            input_ids.extend(r.token_ids)
-            input_ids.extend(r.spec_token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in pos)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            if r.sample:  # with drafts: the last token's row and each draft's
-                logits_indices.extend(range(qsl[-1] - 1 - len(r.spec_token_ids), qsl[-1]))
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
-        num_decodes = sum(1 for r in reqs if r.num_step_tokens == 1)
-        spec = [r for r in reqs if r.spec_token_ids]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            max_query_len=max(r.num_step_tokens for r in reqs),
-            max_seq_len=max(seq_lens),
-            num_spec_decodes=len(spec),
-            num_spec_decode_tokens=sum(r.num_step_tokens for r in spec),
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-        )
-
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         seed = r.sampling_params.seed
         if seed is None or r.sampling_params.greedy:
@@ -334,16 +322,14 @@ class ModelRunner:
             del known[r.num_computed_tokens :]
             known.extend(r.token_ids)
             known.extend(r.spec_token_ids)
-        # Decodes first, then decodes with drafts, then prefill chunks (``AttentionMetadata``).
-        reqs = sorted(so.scheduled,
-                      key=lambda r: 0 if r.num_step_tokens == 1 else 2 - bool(r.spec_token_ids))
+        reqs = order_batch(so.scheduled)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
             logits = self.cuda_graphs.run(reqs)
         else:
             if self.cuda_graphs is not None:
                 self.cuda_graphs.batch.invalidate()
-            input_ids, positions, meta, logits_indices = self._prepare(reqs)
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+            logits = self.model(prepare_inputs(reqs, self.block_size, self.device),
+                                self.kv_caches)
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})

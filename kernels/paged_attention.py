@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.attention_tiles import kv_tile_offsets, online_softmax_step
 from pagedserve.kernels.launch import prepare_query_and_out
 
 LOG2E = 1.4426950408889634
@@ -43,9 +44,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # This split's tokens: an equal share of this sequence, rounded up to whole tiles.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
@@ -56,10 +55,11 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_SIZE
+    gd_mask = g_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + offs_g  # the query heads sharing this KV head
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=gd_mask, other=0.0,
     ).to(tl.float32) * qk_scale  # q: [G, D]
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -68,33 +68,27 @@ def _decode_kernel(
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         n_mask = pos < end
-        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_off = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
-                  + kv_head * stride_kh)
+        kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
+                                 kv_head * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # s: [G, N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the tile has a valid token
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m - m_new)
+        m, l_sum, acc, p = online_softmax_step(m, l_sum, acc, s)  # the tile has a valid token
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
     has_tokens = l_sum > 0  # false for an empty split (or a padded sequence of length 0)
     o = acc / tl.where(has_tokens, l_sum, 1.0)[:, None]
-    o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=o_mask,
+            o.to(out_ptr.dtype.element_ty), mask=gd_mask,
         )
     else:
         # part_out: [B, H, S, HEAD_SIZE] float32; part_lse: [B, H, S] float32, base 2.
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], o, mask=o_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], o, mask=gd_mask)
         log_sum = tl.math.log2(tl.where(has_tokens, l_sum, 1.0))
         lse = tl.where(has_tokens, m + log_sum, float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.attention_tiles import kv_tile_offsets, online_softmax_step
 from pagedserve.kernels.launch import prepare_query_and_out
 
 LOG2E = 1.4426950408889634
@@ -32,9 +33,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    head = tl.program_id(2)
+    seq, m_tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_tile * BLOCK_M >= q_len:
@@ -64,24 +63,19 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
-        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_off = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks
-                  + kv_head * stride_kh)
+        kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
+                                 kv_head * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # s: [M, N]
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_i, l_i, acc, p = online_softmax_step(m_i, l_i, acc, s)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
     o = acc / l_i[:, None]
     tl.store(

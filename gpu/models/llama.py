@@ -11,13 +11,20 @@ gpt-fast's ``model.py`` and vLLM's ``vllm/model_executor/models/llama.py``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
-from pagedserve.kernels import cpu_ops
+from pagedserve.gpu.layer_ops import LayerOps, RopeStep, TorchLayerOps
+from pagedserve.gpu.layer_ops import apply_rope as apply_rope  # the reference, for tests
+from pagedserve.gpu.step_inputs import StepInputs
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
+
+
+def attention_head_size(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
@@ -36,128 +43,112 @@ def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tenso
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (``rotate_half``) RoPE with a precomputed cos/sin table."""
+    """Non-interleaved (``rotate_half``) RoPE tables: ``cos``, ``sin`` ``[max_positions, D]``
+    float32, read by every layer through the step's ``RopeStep`` (``gpu/layer_ops.py``)."""
 
     def __init__(self, config: PretrainedConfig, head_size: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(config, head_size)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+        self.config, self.head_size, self.max_positions = config, head_size, max_positions
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = rope_inv_freq(self.config, self.head_size)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         # rotate_half's minus sign folded into the first half of sin: bit-identical results,
         # one negation fewer per q and k per layer (``apply_rope``).
         sin = emb.sin() * scaling
-        sin[:, : head_size // 2] *= -1
-        self.register_buffer("sin", sin, persistent=False)
+        sin[:, : self.head_size // 2] *= -1
+        return emb.cos() * scaling, sin
+
+    def init_tables(self, device: torch.device) -> None:
+        """Compute the tables for real, in float32, on ``device`` (after a model built on the
+        meta device was materialised and cast: ``LlamaForCausalLM.build``)."""
+        with torch.device("cpu"):
+            cos, sin = self._tables()
+        self.cos, self.sin = cos.to(device), sin.to(device)
+
+    def step(self, positions: torch.Tensor) -> RopeStep:
+        """What every layer of a forward pass over tokens at ``positions`` ``[T]`` reads."""
+        return RopeStep(positions, self.cos, self.sin)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin: ``[T, 1, D]`` for broadcasting over heads."""
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[T, H, D]``; ``sin`` carries rotate_half's sign (see ``RotaryEmbedding``)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin
+        return self.step(positions).rows(dtype)
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 as transformers does.
 
     ``forward(x)`` → normed ``x``; ``forward(x, residual)`` → ``(norm(x + residual), x +
-    residual)``: the residual add fused in, as vLLM's layers pass it. ``fused``: one pass of our
-    CPU kernel (``kernels.cpu_ops.rms_norm``, which updates ``residual`` in place).
+    residual)``: the residual add fused in, as vLLM's layers pass it.
     """
 
-    def __init__(self, dim: int, eps: float, fused: bool = False):
+    def __init__(self, dim: int, eps: float, ops: LayerOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
-        self.fused = fused
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused:
-            out = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
-            return out if residual is None else (out, residual)
-        if residual is not None:
-            residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.variance_epsilon)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, fused: bool):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
-        self.fused = fused
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_size = attention_head_size(config)
         self.scale = self.head_size**-0.5
         # Qwen2 has q/k/v biases without saying so in attention_bias.
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         h, d = config.hidden_size, self.head_size
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         # q, k and v in one matmul: HF's q_proj/k_proj/v_proj are concatenated at load time.
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.backend = backend
+        self.backend, self.ops = backend, ops
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """rope: fused, ``(positions, cos_table, sin_table)``; else ``(cos, sin)`` per token."""
+    def forward(self, x: torch.Tensor, rope: RopeStep, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        if self.fused:  # q's and k's heads rotated together, in place
-            cpu_ops.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads,
-                                     self.head_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_size)  # q: [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_size)  # k: [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_size)
-        if not self.fused:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # q: [T, H, D]; k, v: [T, Hkv, D]
+        q, k, v = self.ops.rotary_qkv(qkv, rope, self.num_heads, self.num_kv_heads,
+                                      self.head_size)
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, fused: bool):
+    def __init__(self, config: PretrainedConfig, ops: LayerOps):
         super().__init__()
-        self.fused = fused
         h, i = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         # gate and up in one matmul (HF's gate_proj/up_proj concatenated at load time).
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.fused:
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] → [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, fused: bool):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, backend, fused)
-        self.mlp = LlamaMLP(config, fused)
-        self.input_layernorm = RMSNorm(h, eps, fused)
-        self.post_attention_layernorm = RMSNorm(h, eps, fused)
+        self.self_attn = LlamaAttention(config, backend, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(h, eps, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
 
-    def forward(self, x, residual, rope, kv_cache, meta):
+    def forward(self, x, residual, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata):
         """Returns ``(mlp_out, residual)``: the next layer's norm adds them (vLLM's layout)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -170,15 +161,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
-                 fused: bool):
+                 ops: LayerOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, fused) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, ops) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        head_size = self.layers[0].self_attn.head_size
-        self.rotary_emb = RotaryEmbedding(config, head_size, max_positions)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.rotary_emb = RotaryEmbedding(config, attention_head_size(config), max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,8 +178,7 @@ class LlamaForCausalLM(nn.Module):
         config: a transformers Llama/Mistral/Qwen2 config.
         backend: attention backend (``gpu.attention.get_attention_backend``).
         max_positions: size of the RoPE table (``max_model_len``).
-        fused: norms, SiLU-and-mul and RoPE from our CPU kernels (``kernels.cpu_ops``; float32
-            or bfloat16 on the CPU) instead of torch's elementwise ops.
+        ops: the elementwise ops (``gpu.layer_ops.get_layer_ops``); torch's by default.
     """
 
     # Our fused parameters and the HF checkpoint names they are concatenated from (dim 0, in
@@ -198,27 +187,43 @@ class LlamaForCausalLM(nn.Module):
                       ("gate_up_proj", ("gate_proj", "up_proj")))
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
-                 fused: bool = False):
+                 ops: LayerOps | None = None):
         super().__init__()
         self.config = config
-        self.fused = fused
-        self.model = LlamaModel(config, backend, max_positions, fused)
+        self.ops = ops or TorchLayerOps()
+        self.model = LlamaModel(config, backend, max_positions, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
+        self.tie_weights()
+
+    @classmethod
+    def build(cls, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
+              ops: LayerOps, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """The model on ``device`` in ``dtype``, its parameters allocated but not initialised
+        (the weights are loaded next: no time spent on random init), its buffers computed."""
+        with torch.device("meta"):
+            model = cls(config, backend, max_positions, ops)
+        model = model.to_empty(device=device).to(dtype)
+        model.init_buffers(device)
+        return model
+
+    def init_buffers(self, device: torch.device) -> None:
+        """After ``to_empty``/``to(dtype)``: the RoPE tables computed in float32, and
+        ``lm_head`` tied to the embeddings again (``to_empty`` gives each its own tensor)."""
+        self.model.rotary_emb.init_tables(device)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """input_ids, positions: ``[T]`` int64 → float32 logits ``[len(logits_indices), vocab]``."""
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        rotary = self.model.rotary_emb
-        rope = (positions, rotary.cos, rotary.sin) if self.fused else rotary(positions, x.dtype)
+    def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
+        """float32 logits ``[len(inputs.logits_indices), vocab]`` of the step's sampled rows."""
+        x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
+        rope = self.model.rotary_emb.step(inputs.positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, inputs.attn)
         # Only the rows that are sampled.
-        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
+        rows = inputs.logits_indices
+        x, _ = self.model.norm(x[rows], residual[rows])
         return self.lm_head(x).float()

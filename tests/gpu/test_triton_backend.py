@@ -23,7 +23,7 @@ from pagedserve.gpu.attention import (
     TritonAttentionBackend,
     get_attention_backend,
 )
-from pagedserve.gpu.batch import ScheduledRequest
+from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 from pagedserve.gpu.cuda_graph import DecodeBatch
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.launch import running_server
@@ -82,8 +82,9 @@ def test_mixed_step_matches_torch_backend():
     t = sum(q_lens)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 1, 2, 8, 13]).int(),
-        seq_lens=torch.tensor(seq_lens).int(), block_table=table, num_decodes=2,
-        num_decode_tokens=2, max_query_len=6, max_seq_len=12,
+        seq_lens=torch.tensor(seq_lens).int(), block_table=table,
+        layout=BatchLayout(num_decodes=2, num_prefills=2, num_prefill_tokens=11),
+        max_query_len=6, max_seq_len=12,
     )
     q = torch.randn(t, heads, head_size, generator=g)
     k = torch.randn(t, kv_heads, head_size, generator=g)
@@ -114,8 +115,9 @@ def test_cpu_backend_with_draft_queries_matches_torch_backend():
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(10, dtype=torch.int64),  # unused: no write here
         query_start_loc=torch.tensor([0, 1, 5, 10]).int(), seq_lens=torch.tensor(seq_lens).int(),
-        block_table=table, num_decodes=1, num_decode_tokens=1, max_query_len=5, max_seq_len=12,
-        num_spec_decodes=1, num_spec_decode_tokens=4,
+        block_table=table, max_query_len=5, max_seq_len=12,
+        layout=BatchLayout(num_decodes=1, num_spec_decodes=1, num_spec_decode_tokens=4,
+                           num_prefills=1, num_prefill_tokens=5),
     )
     q = torch.randn(sum(q_lens), heads, head_size, generator=g)
     want = TorchAttentionBackend().forward(q, (kc, vc), meta, 0.25)
@@ -131,19 +133,21 @@ def test_decode_batch_copies_rows_and_only_changed_block_tables():
     batch = DecodeBatch(max_batch=4, max_blocks_per_seq=3, device=torch.device("cpu"))
     reqs = [_decode("a", 5, [7, 2]), _decode("b", 0, [3])]
     batch.update(reqs, padded=4, block_size=4)
-    input_ids, positions, meta, logits_indices = batch.inputs(4)
-    assert input_ids.tolist() == [105, 100, 0, 0]
-    assert positions.tolist() == [5, 0, 0, 0]
+    inputs = batch.inputs(4)
+    meta = inputs.attn
+    assert inputs.input_ids.tolist() == [105, 100, 0, 0]
+    assert inputs.positions.tolist() == [5, 0, 0, 0]
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 3 * 4 + 0, -1, -1]  # padding never written
     assert meta.seq_lens.tolist() == [6, 1, 1, 1]
     assert meta.block_table[:2].tolist() == [[7, 2, 0], [3, 0, 0]]
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4] and meta.num_decodes == 4
-    assert logits_indices.tolist() == [0, 1, 2, 3]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.layout == BatchLayout(num_decodes=4)
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
     # Next step: "a" keeps its blocks (row not copied again), "b" gained a block (copied).
     batch.block_table[0, 0] = -7
     batch.update([_decode("a", 6, [7, 2]), _decode("b", 4, [3, 9])], padded=2, block_size=4)
     assert batch.block_table[:2].tolist() == [[-7, 2, 0], [3, 9, 0]]
-    assert batch.inputs(2)[2].slot_mapping.tolist() == [2 * 4 + 2, 9 * 4 + 0]
+    assert batch.inputs(2).attn.slot_mapping.tolist() == [2 * 4 + 2, 9 * 4 + 0]
     batch.invalidate()  # after an eager step every row is copied again
     batch.update([_decode("a", 7, [7, 2])], padded=1, block_size=4)
     assert batch.block_table[0].tolist() == [7, 2, 0]

@@ -1,0 +1,38 @@
+"""``@triton.jit`` helpers the decode and prefill attention kernels share.
+
+Both kernels walk a sequence's context in tiles of K/V tokens read through its block table,
+and fold each tile into an online softmax (Milakov & Gimelshein, "Online normalizer
+calculation for softmax", 2018; as in flash-attention): a running max ``m`` and sum ``l`` per
+query row, in float32 and base 2, and an accumulator rescaled whenever the max grows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_tile_offsets(block_table_row_ptr, pos, n_mask, head_offset, BLOCK_SIZE: tl.constexpr,
+                    stride_kb, stride_ks):
+    """Element offsets ``[N]`` (int64) of tokens ``pos`` ``[N]`` of one KV head in the cache.
+
+    ``block_table_row_ptr`` points at the sequence's block-table row; token ``p`` sits in block
+    ``row[p // BLOCK_SIZE]`` at slot ``p % BLOCK_SIZE``. Masked tokens read block 0 (never used).
+    """
+    block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0)
+    return block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + head_offset
+
+
+@triton.jit
+def online_softmax_step(m, l_sum, acc, s):
+    """Fold a tile of base-2 scores ``s`` ``[M, N]`` into the running ``(m, l_sum, acc)``.
+
+    Returns the new max and sum ``[M]``, ``acc`` ``[M, D]`` rescaled to the new max, and the
+    tile's probabilities ``p`` ``[M, N]``: the caller adds ``p @ V`` to ``acc``. A row's max
+    must be finite once the first tile is folded in (each tile holds a valid token per row).
+    """
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m - m_new)
+    return m_new, l_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None], p
