@@ -6,7 +6,6 @@ flattened batch of every scheduled request (prefill chunks and decodes together)
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.thread_governor import ThreadGovernor
 
 log = structlog.get_logger(__name__)
 
@@ -40,20 +40,6 @@ def cpu_has_bf16_matmul() -> bool:
     except OSError:
         pass
     return False
-
-
-def cpu_threads() -> int:
-    """torch threads for the forward pass: ``PAGEDSERVE_CPU_THREADS``, else every core.
-
-    The event loop (HTTP, SSE, detokenizing) shares a core with one of them; it is light
-    enough that on this 2-core machine 2 threads beat 1 end to end: 122 against 72 output
-    tok/s at 8 streams, 203 against 140 at 32 (loadgen workload, bfloat16).
-    """
-    env = os.environ.get("PAGEDSERVE_CPU_THREADS")
-    if env:
-        return max(1, int(env))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -135,8 +121,7 @@ class ModelRunner:
             raise ValueError("--device cuda, but torch sees no CUDA device here "
                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
         self.dtype = pick_dtype(mc.dtype, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads())
+        self.threads = ThreadGovernor.start() if self.device.type == "cpu" else None
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
         self.hf_config = loader.load_config(resolved.path)
@@ -326,6 +311,8 @@ class ModelRunner:
             self.token_ids.pop(req_id, None)
         if not so.scheduled:
             return ModelRunnerOutput({})
+        if self.threads is not None:  # fewer CPU threads while another process holds a core
+            self.threads.tick()
         for r in so.scheduled:
             known = self.token_ids.setdefault(r.req_id, [])
             if r.prefix_token_ids is not None:
