@@ -62,8 +62,8 @@ def cpu_busy_seconds(cpus: set[int], stat_path: str | Path = "/proc/stat") -> fl
 
 def choose_threads(current: int, limit: int, free_cores: float) -> int:
     """The thread count for ``free_cores`` cores left to us, from ``current`` threads, within
-    ``1..limit``: one fewer when ``free_cores`` falls ``DROP_MARGIN`` below the count, more
-    only when whole cores are free again (``RAISE_MARGIN``)."""
+    ``1..limit``: fewer when ``free_cores`` falls ``DROP_MARGIN`` below the count, more only
+    when whole cores are free again (``RAISE_MARGIN``)."""
     down = math.floor(free_cores + DROP_MARGIN)
     up = math.floor(free_cores + RAISE_MARGIN)
     if down < current:
@@ -141,9 +141,12 @@ class ThreadGovernor:
     def observe(self, before: CpuSample, after: CpuSample) -> None:
         """Decide from one window: others' cores = (CPU busy time - ours) / wall time."""
         wall = after.wall - before.wall
+        if wall <= 0:
+            return
         others = max(0.0, (after.busy - before.busy) - (after.ours - before.ours)) / wall
         free = min(float(self.limit), len(self.cpus or ()) - others)
         threads = choose_threads(self.threads, self.limit, free)
+        log.debug("cpu_window", others_cores=round(others, 2), threads=threads)
         if threads != self.threads:
             log.info("cpu_threads_changed", threads=threads, was=self.threads,
                      others_cores=round(others, 2), free_cores=round(free, 2))
