@@ -6,7 +6,6 @@ flattened batch of every scheduled request (prefill chunks and decodes together)
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
+from pagedserve.gpu.thread_governor import ThreadGovernor
 
 log = structlog.get_logger(__name__)
 
@@ -44,19 +44,6 @@ def cpu_has_bf16_matmul() -> bool:
     except OSError:
         pass
     return False
-
-
-def cpu_threads() -> int:
-    """torch threads for the forward pass: ``PAGEDSERVE_CPU_THREADS``, else every core.
-
-    The event loop (HTTP, SSE, detokenizing) shares a core with one of them; it is light
-    enough that even on 2 cores 2 threads beat 1 end to end (``loadtest/RESULTS.md``).
-    """
-    env = os.environ.get("PAGEDSERVE_CPU_THREADS")
-    if env:
-        return max(1, int(env))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -159,8 +146,7 @@ class ModelRunner:
             raise ValueError("--device cuda, but torch sees no CUDA device here "
                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
         self.dtype = pick_dtype(mc.dtype, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads())
+        self.threads = ThreadGovernor.start() if self.device.type == "cpu" else None
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
@@ -313,6 +299,8 @@ class ModelRunner:
             self.token_ids.pop(req_id, None)
         if not so.scheduled:
             return ModelRunnerOutput({})
+        if self.threads is not None:  # fewer CPU threads while another process holds a core
+            self.threads.tick()
         for r in so.scheduled:
             known = self.token_ids.setdefault(r.req_id, [])
             if r.prefix_token_ids is not None:

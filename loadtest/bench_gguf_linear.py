@@ -20,7 +20,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from pagedserve.gpu import cpu_gemm, loader
-from pagedserve.gpu.model_runner import cpu_threads
+from pagedserve.gpu.cpu_threads import cpu_threads
 from pagedserve.kernels import gguf_ops
 
 

@@ -7,6 +7,11 @@ request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency (mea
 p99), writes them as JSON, and with a sweep (``--max-concurrency 1,8,32``) a PNG of throughput
 and latency against concurrency.
 
+``--noisy-neighbour`` runs each level quiet and then beside one busy-loop process pinned to
+``--noisy-cpu`` (``loadtest/noisy_neighbour.py``), ``--rounds`` times alternating, and reports
+the share of the quiet throughput kept (medians over the rounds), for whichever server
+``--base-url`` names: pagedserve, llama.cpp or any other, in the same run.
+
 ``--backend hf`` runs the same workload through transformers' ``generate`` in static batches
 (batch = concurrency), the baseline every figure is compared with. ``--backend both`` measures
 the server and then the baseline in one run.
@@ -25,12 +30,17 @@ Example (pagedserve on :8000, baseline in the same run):
     .venv/bin/python loadtest/bench_serving.py --backend both --base-url http://127.0.0.1:8000/v1 \
         --dataset loadgen --max-concurrency 1,8,32 --num-prompts 4,16,64 --ignore-eos \
         --result-json artifacts/bench.json --plot artifacts/bench.png
+
+Under a noisy neighbour (a server launched for the run, 1 and 8 streams, 3 rounds):
+    .venv/bin/python loadtest/bench_serving.py --launch --noisy-neighbour --rounds 3 \
+        --dataset loadgen --max-concurrency 1,8 --num-prompts 8,16 --ignore-eos
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -45,6 +55,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from noisy_neighbour import busy_neighbour, default_cpu, kept
 from pagedserve.server.launch import start_server_process
 from workloads import BenchRequest, build_workload
 
@@ -262,7 +273,8 @@ def launched_server(args):
 
 
 def _row(r: dict) -> str:
-    return (f"{r['backend']:>6} {r.get('dtype', ''):>8} c={r['max_concurrency']:<3} "
+    label = r.get("dtype") or r.get("neighbour", "")
+    return (f"{r['backend']:>6} {label:>8} c={r['max_concurrency']:<3} "
             f"n={r['completed']}/{r['num_prompts']} out={r['output_throughput']:7.1f} tok/s "
             f"TTFT p50/p99 {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms "
             f"ITL p50/p99 {r['itl_ms']['median']}/{r['itl_ms']['p99']} ms "
@@ -323,6 +335,13 @@ def parse_args(argv=None):
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the baseline (default: cores - 1, as the server)")
+    p.add_argument("--noisy-neighbour", action="store_true",
+                   help="run each level quiet, then beside a busy loop pinned to --noisy-cpu, "
+                        "and report the throughput kept")
+    p.add_argument("--noisy-cpu", type=int, default=None,
+                   help="CPU the busy loop is pinned to (default: the last one we may use)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--noisy-neighbour: quiet/busy pairs per level (medians reported)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of the sweep")
     return p.parse_args(argv)
@@ -345,6 +364,25 @@ def _reset_prefix_cache(base_url: str, api_key: str) -> None:
         pass
 
 
+def run_server_levels(args, url: str, levels: list[int], counts: list[int]) -> list[dict]:
+    """Every level against ``url``; with ``--noisy-neighbour`` each one ``--rounds`` times
+    quiet then busy, alternating (a shared machine drifts: neighbours in time compare best)."""
+    sides = ("quiet", "busy") if args.noisy_neighbour else (None,)
+    rounds = args.rounds if args.noisy_neighbour else 1
+    cpu = default_cpu() if args.noisy_cpu is None else args.noisy_cpu
+    results = []
+    for c, n in zip(levels, counts, strict=True):
+        for _, side in itertools.product(range(rounds), sides):
+            _reset_prefix_cache(url, args.api_key)
+            with busy_neighbour(cpu) if side == "busy" else _given(url):
+                r = asyncio.run(run_server_level(args, build_workload(args, n), c))
+            if side is not None:
+                r.update(neighbour=side, noisy_cpu=cpu)
+            print(_row(r), flush=True)
+            results.append(r)
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     levels = [int(c) for c in args.max_concurrency.split(",")]
@@ -357,11 +395,7 @@ def main(argv=None) -> int:
     if args.backend in ("openai", "both"):
         with launched_server(args) if args.launch else _given(args.base_url) as url:
             args.base_url = url
-            for c, n in zip(levels, counts, strict=True):
-                _reset_prefix_cache(url, args.api_key)
-                r = asyncio.run(run_server_level(args, build_workload(args, n), c))
-                print(_row(r), flush=True)
-                results.append(r)
+            results += run_server_levels(args, url, levels, counts)
     if args.backend in ("hf", "both"):
         model, tok = load_hf(args)
         run_hf_level(args, build_workload(args, 1)[:1], 1, model, tok)  # warm-up
@@ -371,6 +405,12 @@ def main(argv=None) -> int:
             results.append(r)
     report = {"dataset": args.dataset, "seed": args.seed, "ignore_eos": args.ignore_eos,
               "base_url": args.base_url, "results": results}
+    if args.noisy_neighbour:
+        report["noisy_neighbour"] = kept([r for r in results if r["backend"] == "server"])
+        for row in report["noisy_neighbour"]:
+            print(f"noisy neighbour c={row['max_concurrency']}: quiet {row['quiet_tok_s']} "
+                  f"busy {row['busy_tok_s']} tok/s, kept {row['kept']} "
+                  f"(medians of {row['rounds']})", flush=True)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(report, f, indent=2)

@@ -6,8 +6,15 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import sys
+
+from pagedserve.gpu.cpu_threads import openmp_defaults
+
+# First, before the imports below load torch: libgomp (torch's OpenMP, shared by our C++
+# kernels) reads its spin-wait settings once, when it is loaded, from the environment.
+os.environ.update(openmp_defaults())
 
 import structlog
 
