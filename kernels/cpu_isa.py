@@ -6,10 +6,9 @@ MKL read their ISA caps once, when they first dispatch), so benchmark scripts ca
 Tiers, lowest first (``ISAS``):
 
 - ``generic``: the portable loops, no ``-m`` flags (any CPU, non-x86 included);
-- ``avx2``: AVX2 + FMA + F16C, 8 float32 lanes (``-march=x86-64-v3``: Intel Haswell and later,
-  AMD Zen 1-3, most cloud instances);
-- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (``-march=x86-64-v4``: Intel Skylake-SP and later,
-  AMD Zen 4/5). The kernels use no BF16, VNNI or AMX instructions, so no tier needs them;
+- ``avx2``: AVX2 + FMA + F16C, 8 float32 lanes (Intel Haswell and later, AMD Zen 1-3, most
+  cloud instances);
+- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The kernels use no BF16, VNNI or AMX instructions, so no tier needs them;
   ``amx`` is accepted as a cap and means no cap below ``avx512``.
 
 ``PAGEDSERVE_CPU_ISA=generic|avx2|avx512|amx`` caps the tier, so any machine can measure the
@@ -40,10 +39,13 @@ REQUIRED_FLAGS = {
 # it is given to the compile step only (linked with it, gcc adds crtfastmath.o, which turns on
 # flush-to-zero for the whole process when the library loads).
 COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+# Exactly the features REQUIRED_FLAGS checks (not -march=x86-64-v3/v4, which older compilers
+# lack and which would also let scalar code use BMI/MOVBE the check does not look for).
 ISA_FLAGS = {
     "generic": [],
-    "avx2": ["-march=x86-64-v3"],
-    "avx512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
+    "avx2": ["-mavx", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq",
+               "-mavx512vl", "-mprefer-vector-width=512"],
 }
 
 # What each cap tells torch (ATen's kernels, oneDNN, MKL), so it runs the same tier as ours.

@@ -74,7 +74,8 @@ void attend_simd(const float* q, const T* key_cache, const T* value_cache, const
       const float* qh = q + h * head_size;
       const T* kh = k + (h / group) * head_size;
       typename V::F a = V::mul(V::load(qh), V::load(kh));
-      for (int64_t j = 1; j < nv; ++j) a = V::fmadd(V::load(qh + V::W * j), V::load(kh + V::W * j), a);
+      for (int64_t j = 1; j < nv; ++j)
+        a = V::fmadd(V::load(qh + V::W * j), V::load(kh + V::W * j), a);
       scores[h * len + t - t_begin] = V::reduce_add(a);
     }
   }

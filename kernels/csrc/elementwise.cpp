@@ -80,9 +80,10 @@ void rms_norm(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t 
       T* o = out + r * dim;
       int64_t i = 0;
 #if PAGEDSERVE_SIMD
-      for (; i + Vec::W <= dim; i += Vec::W)
-        Vec::store(Vec::mul(Vec::mul(Vec::load(h.data() + i), Vec::set1(inv)), Vec::load(weight + i)),
-                   o + i);
+      for (; i + Vec::W <= dim; i += Vec::W) {
+        const Vec::F scaled = Vec::mul(Vec::load(h.data() + i), Vec::set1(inv));
+        Vec::store(Vec::mul(scaled, Vec::load(weight + i)), o + i);
+      }
 #endif
       for (; i < dim; ++i) store(h[i] * inv * load(weight[i]), o + i);
     }

@@ -111,7 +111,8 @@ void prefill_tile(const T* query, const T* kc, const T* vc, const int32_t* block
   V::store(V::div(V::set1(1.f), l), inv);
   for (int64_t lane = 0; lane < rows; ++lane) {
     const int64_t r = tile.r0 + lane;
-    T* dst = out + (q_begin + r / s.group) * s.num_heads * D + (tile.kvh * s.group + r % s.group) * D;
+    T* dst = out + (q_begin + r / s.group) * s.num_heads * D +
+             (tile.kvh * s.group + r % s.group) * D;
     for (int64_t d = 0; d < D; ++d) store(acc[d * W + lane] * inv[lane], dst + d);
   }
 }

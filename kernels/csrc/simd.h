@@ -77,14 +77,16 @@ struct Avx2 {
   // Lanes where pos[i] >= t (int32 positions), and the masked operations on them.
   static M ge(const int32_t* pos, int64_t t) {
     const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(p, _mm256_set1_epi32(static_cast<int32_t>(t - 1))));
+    const __m256i before = _mm256_set1_epi32(static_cast<int32_t>(t - 1));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(p, before));
   }
   static M none() { return _mm256_setzero_ps(); }
   static F max_where(F a, M m, F b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
   static F keep(M m, F a) { return _mm256_and_ps(m, a); }  // a where m, else 0
   // W weights from bytes: int8 as is; 4-bit (byte >> shift) & 15 of unsigned bytes.
   static F int8s(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   }
   static F nibbles(const uint8_t* p, int shift) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -122,17 +124,20 @@ struct Avx512 {
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
-  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F round(F x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
   static F scale2(F y, F n) { return _mm512_scalef_ps(y, n); }
   static M ge(const int32_t* pos, int64_t t) {
-    return _mm512_cmp_epi32_mask(_mm512_loadu_si512(pos), _mm512_set1_epi32(static_cast<int32_t>(t)),
-                                 _MM_CMPINT_NLT);
+    const __m512i at = _mm512_set1_epi32(static_cast<int32_t>(t));
+    return _mm512_cmp_epi32_mask(_mm512_loadu_si512(pos), at, _MM_CMPINT_NLT);
   }
   static M none() { return 0; }
   static F max_where(F a, M m, F b) { return _mm512_mask_max_ps(a, m, a, b); }
   static F keep(M m, F a) { return _mm512_maskz_mov_ps(m, a); }
   static F int8s(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
   static F nibbles(const uint8_t* p, int shift) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
