@@ -45,6 +45,7 @@ from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.kernels import cpu_ops
 
 log = structlog.get_logger(__name__)
 
@@ -221,11 +222,12 @@ class AsyncEngine:
     def effective_config(self) -> dict[str, Any]:
         """The settings in force: the flags as given, with what loading resolved (the model
         file, ``auto`` dtype and quantization, default ``max_model_len``, the KV pool's blocks
-        and bytes) filled in."""
+        and bytes, on the CPU the kernels' ISA tier ``cpu_isa``) filled in."""
         config = asdict(self.config)
         config["model"].update(model=self.info.source, dtype=self.info.dtype,
                                device=self.info.device, max_model_len=self.info.max_model_len,
-                               quantization=self.info.quantization)
+                               quantization=self.info.quantization,
+                               cpu_isa=cpu_ops.isa() if self.info.device == "cpu" else None)
         config["cache"].update(num_blocks=self.info.num_blocks,
                                kv_cache_memory_bytes=self.info.kv_cache_bytes)
         return config

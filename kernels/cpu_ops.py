@@ -1,137 +1,107 @@
-"""Our CPU kernels (``kernels/csrc/cpu_ops.cpp``): build, load, call.
+"""Our CPU kernels (``kernels/csrc/``): build, load, call.
 
-- ``paged_decode_attention``: the torch reference gathers every sequence's K/V blocks into a
-  padded copy and runs SDPA on it, a large share of a bfloat16 decode step
-  (``loadtest/RESULTS.md``). This kernel reads the blocks in place, and takes several queries per
-  sequence (a decode with speculative drafts) as causal decodes of their own.
-- ``paged_prefill_attention``: prefill chunks over the paged cache, flash-attention style
-  with 16 query rows in a register's lanes; faster than torch's SDPA called per sequence.
-- the GGUF block products of ``kernels/csrc/gguf_gemm.cpp`` are built into the same library
-  and wrapped in ``kernels/gguf_ops.py``.
+- ``paged_decode_attention`` (``decode_attention.cpp``): the torch reference gathers every
+  sequence's K/V blocks into a padded copy and runs SDPA on it, a large share of a bfloat16
+  decode step (``loadtest/RESULTS.md``). This kernel reads the blocks in place, and takes
+  several queries per sequence (a decode with speculative drafts) as causal decodes.
+- ``paged_prefill_attention`` (``prefill_attention.cpp``): prefill chunks over the paged
+  cache, flash-attention style with a register's lanes of query rows; faster than torch's SDPA
+  called per sequence.
+- the GGUF block products of ``gguf_gemm.cpp``, wrapped in ``kernels/gguf_ops.py``.
 - ``rms_norm`` (optionally fused with the residual add), ``silu_and_mul`` and
-  ``rotary_embedding``: one pass each where torch runs 3-9 elementwise ops, a real share of
-  a bfloat16 prefill step; ``reshape_and_cache``, the KV write, in one call
-  instead of four ops. Same ideas as vLLM's ``csrc/cpu/`` kernels.
+  ``rotary_embedding`` (``elementwise.cpp``): one pass each where torch runs 3-9 elementwise
+  ops, a real share of a bfloat16 prefill step; ``reshape_and_cache``, the KV write, in one
+  call instead of four ops. Same ideas as vLLM's ``csrc/cpu/`` kernels.
 
-The library is compiled on first use with the system's C++ compiler into
-``~/.cache/pagedserve/kernels/`` (once), keyed by the source, the flags and the CPU,
-and loaded with ctypes. No compiler, or a failed build: ``load()`` returns None and callers keep
-the torch references. All ops take float32 or bfloat16 CPU tensors and compute in float32.
+One library per ISA tier (``kernels/cpu_isa.py``: generic, avx2, avx512), compiled on first use
+with the system's C++ compiler into ``~/.cache/pagedserve/kernels/`` (once per tier), keyed by
+the sources, the flags and the tier, and loaded with ctypes. ``load()`` takes the best tier the
+CPU reports and ``PAGEDSERVE_CPU_ISA`` allows (``isa()`` says which, the start-up log too). No
+compiler, or a failed build: ``load()`` returns None and callers keep the torch references. All
+ops take float32 or bfloat16 CPU tensors and compute in float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
+from collections.abc import Iterator
 
+import structlog
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "gguf_gemm.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "convert.h"]  # part of the build's cache key
-# -ffast-math lets expf and the dot-product reductions vectorize (3x). It is given to the compile
-# step only: linked with it, gcc adds crtfastmath.o, which turns on flush-to-zero for the whole
-# process when the library loads.
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-         "-std=c++17", "-fPIC"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
-CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
+from pagedserve.kernels import cpu_isa
+from pagedserve.kernels.cpu_build import CACHE_ENV as CACHE_ENV  # re-exported
+from pagedserve.kernels.cpu_build import load_isa
 
-_lock = threading.Lock()
+log = structlog.get_logger(__name__)
+
+_lock = threading.RLock()
 _lib: ctypes.CDLL | None = None
+_isa: str | None = None
 _tried = False
 _error: str | None = None
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "pagedserve" / "kernels"
-
-
-def _cpu_key() -> str:
-    """The CPU model and flags: ``-march=native`` code must not run on another CPU."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="ignore")
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "\n".join(lines)
-
-
-def _build(compiler: str) -> Path:
-    digest = hashlib.sha256(
-        b"".join(s.read_bytes() for s in [*SOURCES, *HEADERS])
-        + " ".join(FLAGS + LINK_FLAGS).encode() + _cpu_key().encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_ops-{digest}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent server processes never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    objs = [f"{tmp[: -len('.so')]}-{s.stem}.o" for s in SOURCES]
-    try:
-        for source, obj in zip(SOURCES, objs, strict=True):
-            subprocess.run([compiler, *FLAGS, "-c", str(source), "-o", obj],
-                           check=True, capture_output=True, text=True, timeout=300)
-        subprocess.run([compiler, *LINK_FLAGS, *objs, "-o", tmp],
-                       check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, out)
-    finally:
-        for path in (tmp, *objs):
-            if os.path.exists(path):
-                os.unlink(path)
-    return out
-
-
 def load() -> ctypes.CDLL | None:
     """The loaded library, building it on first call; None when it cannot be built (the reason
-    is in ``error()``)."""
-    global _lib, _tried, _error
+    is in ``error()``). The tier is the best one the CPU and ``PAGEDSERVE_CPU_ISA`` allow; if
+    its build fails, the next lower one is tried.
+
+    Raises:
+        ValueError: ``PAGEDSERVE_CPU_ISA`` is not one of ``cpu_isa.CAPS``.
+    """
+    global _lib, _isa, _tried, _error
     with _lock:
         if _tried:
             return _lib
-        _tried = True
-        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-        if compiler is None:
-            _error = "no C++ compiler (g++) on PATH"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except subprocess.CalledProcessError as e:
-            _error = f"{compiler} failed: {e.stderr.strip()[-500:]}"
-            return None
-        except (OSError, subprocess.SubprocessError) as e:
-            _error = f"{type(e).__name__}: {e}"
-            return None
-        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        signatures = {
-            "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32],
-            "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
-            "silu_and_mul": [ptr] * 2 + [i64] * 2,
-            "rotary": [ptr] * 4 + [i64] * 4,
-            "reshape_and_cache": [ptr] * 5 + [i64] * 4,
-        }
-        for suffix in ("f32", "bf16"):
-            fn = getattr(lib, f"paged_prefill_attention_{suffix}")
-            fn.argtypes = [ptr, i64] + [ptr] * 6 + [i64] * 6 + [f32]
-            fn.restype = ctypes.c_int
-        lib.cpu_ops_avx512.argtypes, lib.cpu_ops_avx512.restype = [], ctypes.c_int
-        signatures["gguf_linear"] = [ptr] * 3 + [i64] * 5
-        for name, args in signatures.items():
-            for suffix in ("f32", "bf16"):
-                fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = args, None
-        lib.gguf_dequantize.argtypes, lib.gguf_dequantize.restype = [ptr] * 2 + [i64] * 3, None
-        _lib = lib
+        cap = cpu_isa.requested_cap()
+        _tried, _lib, _isa = True, None, None
+        best = cpu_isa.select(cap)
+        tiers = cpu_isa.ISAS[: cpu_isa.ISAS.index(best) + 1]
+        for isa in reversed(tiers):
+            try:
+                _lib, _isa = load_isa(isa), isa
+                break
+            except RuntimeError as e:
+                _error = str(e)
+                log.warning("cpu_kernels_build_failed", isa=isa, reason=_error)
+        if _lib is not None:
+            _error = None
+            torch_isa = torch.backends.cpu.get_cpu_capability()
+            log.info("cpu_kernels_loaded", isa=_isa, cpu_supports=cpu_isa.supported()[-1],
+                     cap=cap, torch_cpu_capability=torch_isa)
+            if cap in ("generic", "avx2") and torch_isa.lower() not in (cap, "default"):
+                log.warning("cpu_isa_cap_not_applied_to_torch", cap=cap, torch=torch_isa,
+                            hint="set PAGEDSERVE_CPU_ISA before torch is imported, or call "
+                                 "kernels.cpu_isa.cap_torch_env() first")
         return _lib
+
+
+def isa() -> str | None:
+    """The tier of the loaded kernels (``generic``, ``avx2`` or ``avx512``), loading them if
+    needed; None when they cannot be built."""
+    return _isa if load() is not None else None
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[ctypes.CDLL]:
+    """Run the kernels of tier ``name`` inside the block (process-wide; tests and benchmarks).
+
+    Raises:
+        ValueError, RuntimeError: as ``load_isa``.
+    """
+    global _lib, _isa, _tried
+    with _lock:
+        load()
+        saved = (_lib, _isa, _tried)
+        _lib, _isa, _tried = load_isa(name), name, True
+    try:
+        yield _lib
+    finally:
+        with _lock:
+            _lib, _isa, _tried = saved
 
 
 def error() -> str | None:
@@ -287,10 +257,10 @@ PREFILL_HEAD_SIZES = (64, 128)
 
 
 def prefill_supported(head_size: int) -> bool:
-    """Whether ``paged_prefill_attention`` runs here: the library built with its AVX-512 loops
-    and a head size it was instantiated for."""
+    """Whether ``paged_prefill_attention`` runs here: an avx2 or avx512 library and a head size
+    it was instantiated for."""
     lib = load()
-    return lib is not None and bool(lib.cpu_ops_avx512()) and head_size in PREFILL_HEAD_SIZES
+    return lib is not None and bool(lib.cpu_ops_has_prefill()) and head_size in PREFILL_HEAD_SIZES
 
 
 def paged_prefill_attention(
@@ -322,7 +292,7 @@ def paged_prefill_attention(
 
     Raises:
         RuntimeError: the library could not be built. ValueError: head_size not in
-        ``PREFILL_HEAD_SIZES``, no AVX-512, dtype or layout unsupported (callers fall back to
+        ``PREFILL_HEAD_SIZES``, the generic tier, dtype or layout unsupported (callers fall back to
         the reference).
     Source: Dao et al., "FlashAttention" (2022); vLLM's CPU attention (``csrc/cpu/``).
     """
@@ -345,5 +315,5 @@ def paged_prefill_attention(
           block_table.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
           out.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_size, block_size,
           block_table.shape[1], scale):
-        raise ValueError("prefill kernel: this CPU has no AVX-512 (or head_size unsupported)")
+        raise ValueError(f"prefill kernel: not in the {_isa} kernels (or head_size unsupported)")
     return out

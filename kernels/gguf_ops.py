@@ -35,7 +35,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
         qweight: ``[N, K / 32 * block_bytes]`` uint8, contiguous: the tensor's rows as the GGUF
             file stores them (``GGUF_BLOCK_BYTES``).
         qtype: GGML type id: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0).
-        generic: use the portable loops instead of the AVX-512 ones (tests compare them).
+        generic: use the portable loops instead of the tier's vector ones (tests compare them).
 
     Returns:
         ``[..., N]`` in x's dtype: float32 products of the exactly de-quantized weights.

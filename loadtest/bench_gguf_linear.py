@@ -11,8 +11,16 @@ in cache when timed alone, so the whole-model effect is in ``profile_decode.py
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (cap_torch_env() must run before torch is imported)
+
 import argparse
 import time
+
+from pagedserve.kernels.cpu_isa import cap_torch_env
+
+# PAGEDSERVE_CPU_ISA=avx2 caps torch (ATen, oneDNN, MKL) as well as our kernels, so an AVX-512
+# machine measures the AVX2 tier; torch reads those caps only if they are set before its import.
+cap_torch_env()
 
 import numpy as np
 import torch

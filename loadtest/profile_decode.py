@@ -16,12 +16,20 @@ with de-quantized weights; ``--prefill`` also times a step prefilling the batch'
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (cap_torch_env() must run before torch is imported)
+
 import argparse
 import contextlib
 import itertools
 import os
 import statistics
 import time
+
+from pagedserve.kernels.cpu_isa import cap_torch_env
+
+# PAGEDSERVE_CPU_ISA=avx2 caps torch (ATen, oneDNN, MKL) as well as our kernels, so an AVX-512
+# machine measures the AVX2 tier; torch reads those caps only if they are set before its import.
+cap_torch_env()
 
 import torch
 
@@ -129,7 +137,8 @@ def main() -> None:
                 cpu.append(time.process_time() - c)
             # CPU time is the steadier figure on a shared machine (exact with --threads 1).
             w, c = statistics.median(wall), statistics.median(cpu)
-            print(f"dtype={dtype} quantization={quant} batch={batch} decode step median wall "
+            print(f"isa={cpu_ops.isa()} torch={torch.backends.cpu.get_cpu_capability()} "
+                  f"dtype={dtype} quantization={quant} batch={batch} decode step median wall "
                   f"{w * 1e3:.1f} ms ({batch / w:.0f} tok/s), cpu {c * 1e3:.1f} ms "
                   f"({batch / c:.0f} tok/s)",
                   flush=True)

@@ -1,4 +1,4 @@
-// float32 <-> bfloat16 conversions shared by our CPU kernels (cpu_ops.cpp, gguf_gemm.cpp):
+// float32 <-> bfloat16 conversions shared by our CPU kernels (every file in this folder):
 // load() widens one value, store() rounds one to nearest even (NaN stays NaN), load16() widens
 // 16 lanes. Everything else computes in float32. In an unnamed namespace: each kernel file
 // gets its own inline copy, nothing is exported from the library.
@@ -35,7 +35,8 @@ inline void store(float x, uint16_t* dst) {  // float32 -> bfloat16, round to ne
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i wide = _mm512_cvtepu16_epi32(half);
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 #endif

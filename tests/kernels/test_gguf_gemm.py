@@ -1,6 +1,7 @@
 """The GGUF block kernels: de-quantization bit-equal to gguf-py's (what transformers loads), and
 ``gguf_linear`` equal to a float64 product over those weights on every loop (the register path
-up to 8 rows, the panel path above, the portable loops), in float32 and bfloat16."""
+up to 8 rows, the panel path above, the portable loops), in float32 and bfloat16, on every ISA
+tier the CPU runs (the ``isa`` fixture)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from pagedserve.kernels import gguf_ops
+
+pytestmark = pytest.mark.usefixtures("isa")
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 

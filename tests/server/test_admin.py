@@ -154,6 +154,7 @@ async def test_model_and_config(client):
                                 "speculative": None}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
+    assert cfg["model"]["cpu_isa"] in ("generic", "avx2", "avx512")  # the kernels' tier
     # The tiny model is a Hugging Face folder: nothing to keep quantized.
     assert cfg["model"]["quantization"] == s["model"]["quantization"] == "none"
     assert cfg["model"]["model"] == s["model"]["path"]

@@ -1,0 +1,117 @@
+"""Which instruction-set tier our CPU kernels run at, and the compiler flags of each tier.
+
+No torch import here: ``cap_torch_env()`` must run before torch is imported (ATen, oneDNN and
+MKL read their ISA caps once, when they first dispatch), so benchmark scripts call it first.
+
+Tiers, lowest first (``ISAS``):
+
+- ``generic``: the portable loops, no ``-m`` flags (any CPU, non-x86 included);
+- ``avx2``: AVX2 + FMA + F16C, 8 float32 lanes (Intel Haswell and later, AMD Zen 1-3, most
+  cloud instances);
+- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The kernels use no BF16, VNNI or AMX instructions, so no tier needs them;
+  ``amx`` is accepted as a cap and means no cap below ``avx512``.
+
+``PAGEDSERVE_CPU_ISA=generic|avx2|avx512|amx`` caps the tier, so any machine can measure the
+lower ones; the tier run is the best one both the CPU (``/proc/cpuinfo``'s flags) and the cap
+allow. An unknown value is an error, not a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+ISA_ENV = "PAGEDSERVE_CPU_ISA"
+ISAS = ("generic", "avx2", "avx512")  # the tiers we build, lowest first
+CAPS = (*ISAS, "amx")
+
+# The CPU flags (as /proc/cpuinfo spells them) each tier's code needs.
+REQUIRED_FLAGS = {
+    "generic": frozenset(),
+    "avx2": frozenset({"avx", "avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
+                         "avx512vl"}),
+}
+
+# Compile flags per tier. -ffast-math lets expf and the dot-product reductions vectorize (3x);
+# it is given to the compile step only (linked with it, gcc adds crtfastmath.o, which turns on
+# flush-to-zero for the whole process when the library loads).
+COMMON_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+# Exactly the features REQUIRED_FLAGS checks (not -march=x86-64-v3/v4, which older compilers
+# lack and which would also let scalar code use BMI/MOVBE the check does not look for).
+ISA_FLAGS = {
+    "generic": [],
+    "avx2": ["-mavx", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq",
+               "-mavx512vl", "-mprefer-vector-width=512"],
+}
+
+# What each cap tells torch (ATen's kernels, oneDNN, MKL), so it runs the same tier as ours.
+TORCH_ENV = {
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "amx": {},
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty off Linux or off x86)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="ignore")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def supported(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The tiers this CPU can execute, lowest first (always starts with ``generic``)."""
+    flags = cpu_flags() if flags is None else flags
+    return tuple(isa for isa in ISAS if REQUIRED_FLAGS[isa] <= flags)
+
+
+def requested_cap() -> str | None:
+    """``PAGEDSERVE_CPU_ISA`` lower-cased, or None when unset or empty.
+
+    Raises:
+        ValueError: a value that is not one of ``CAPS``.
+    """
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in CAPS:
+        raise ValueError(f"{ISA_ENV}={value!r} is not one of {', '.join(CAPS)}")
+    return value
+
+
+def select(cap: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """The best tier the CPU runs that is at or below ``cap`` (``amx`` or None: no cap)."""
+    usable = supported(flags)
+    if cap in ISAS:
+        usable = tuple(isa for isa in usable if ISAS.index(isa) <= ISAS.index(cap))
+    return usable[-1]
+
+
+def cap_torch_env() -> dict[str, str]:
+    """With ``PAGEDSERVE_CPU_ISA`` set, cap torch to the same tier by setting
+    ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` (values the
+    user set win). Only effective before torch is imported; returns what it set."""
+    cap = requested_cap()
+    if cap is None:
+        return {}
+    if "torch" in sys.modules:
+        # Too late to take effect; cpu_ops.load() logs torch's actual capability.
+        return {}
+    set_now = {k: v for k, v in TORCH_ENV[cap].items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now

@@ -1,0 +1,281 @@
+// Paged decode attention: one query token per sequence against its whole context, read in
+// place through the block table (no gather copy), softmax in float32; long contexts of few
+// sequences split across threads and merged (flash-decoding). Ideas after vLLM's CPU backend
+// (csrc/cpu/attention.cpp, paged_attention_v1/v2).
+//
+// Plain C ABI over raw pointers, called through ctypes (kernels/cpu_ops.py). OpenMP threads
+// over sequences; the library resolves to the libgomp torch already loaded, so it shares
+// torch's thread count.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "convert.h"
+#include "simd.h"
+
+namespace {
+
+// Each row of rows x len scores becomes exp(s - max(row)) in place (the maxima into ``maxes``
+// if given).
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* maxes = nullptr) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    const float m = *std::max_element(sr, sr + len);
+    if (maxes) maxes[r] = m;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t)
+      // Clamped so exp stays a normal float: subnormal results take slow microcode paths
+      // (the library must not turn on flush-to-zero for the process); e^-80 is nothing
+      // beside the maximum's e^0.
+      sr[t] = std::exp(std::max(sr[t] - m, -80.f));
+  }
+}
+
+// out[h] = acc[h] / sum_t p[h][t], rounded to T.
+template <typename T>
+void finish(const float* acc, const float* probs, T* dst, int64_t num_heads, int64_t head_size,
+            int64_t len) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) sum += probs[h * len + t];
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < head_size; ++d)
+      store(acc[h * head_size + d] * inv, dst + h * head_size + d);
+  }
+}
+
+// Where the K/V rows of a sequence live: token t of kv head kvh at base + offset(t) + kvh * D.
+struct Paged {
+  const int32_t* blocks;
+  int64_t block_size, token_stride, block_stride;
+  int64_t offset(int64_t t) const {
+    return blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
+  }
+};
+
+#if PAGEDSERVE_SIMD
+// The loop with V::W-lane registers, for head_size % V::W == 0 (every model we serve): a K/V
+// row is converted once into registers per kv head, not stored and reloaded.
+template <class V, typename T>
+void attend_simd(const float* q, const T* key_cache, const T* value_cache, const Paged& pg,
+                 int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t group,
+                 int64_t num_kv_heads, int64_t head_size, float* scores, float* acc,
+                 float* maxes) {
+  const int64_t nv = head_size / V::W, len = t_end - t_begin;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const T* k = key_cache + pg.offset(t);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* qh = q + h * head_size;
+      const T* kh = k + (h / group) * head_size;
+      typename V::F a = V::mul(V::load(qh), V::load(kh));
+      for (int64_t j = 1; j < nv; ++j)
+        a = V::fmadd(V::load(qh + V::W * j), V::load(kh + V::W * j), a);
+      scores[h * len + t - t_begin] = V::reduce_add(a);
+    }
+  }
+  softmax_rows(scores, num_heads, len, maxes);
+  std::fill(acc, acc + num_heads * head_size, 0.f);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const T* v = value_cache + pg.offset(t);
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      for (int64_t j = 0; j < nv; ++j) {
+        const typename V::F vj = V::load(v + kvh * head_size + V::W * j);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = kvh * group + g;
+          float* a = acc + h * head_size + V::W * j;
+          V::store(V::fmadd(V::set1(scores[h * len + t - t_begin]), vj, V::load(a)), a);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Scores, softmax and p.V of one query over tokens t_begin..t_end-1 of its sequence, for all
+// heads: acc[h] = sum_t p[h][t] v_t with p = exp(s - max_h) left in scores (row length
+// t_end - t_begin), unnormalised; the maxima go to ``maxes`` when it is not null.
+template <typename T>
+void attend(const float* q, const T* key_cache, const T* value_cache, const Paged& pg,
+            int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t num_kv_heads,
+            int64_t head_size, float* row, float* scores, float* acc, float* maxes) {
+  const int64_t group = num_heads / num_kv_heads, len = t_end - t_begin;
+#if PAGEDSERVE_SIMD
+  if (head_size % Vec::W == 0) {
+    attend_simd<Vec>(q, key_cache, value_cache, pg, t_begin, t_end, num_heads, group,
+                     num_kv_heads, head_size, scores, acc, maxes);
+    return;
+  }
+#endif
+  // Pass 1: scores[h][t] = q_h . k_t (scale folded into q); head h reads kv head h / group.
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    widen(key_cache + pg.offset(t), row, pg.token_stride);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* qh = q + h * head_size;
+      const float* kh = row + (h / group) * head_size;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < head_size; ++d) s += qh[d] * kh[d];
+      scores[h * len + t - t_begin] = s;
+    }
+  }
+  softmax_rows(scores, num_heads, len, maxes);
+  // Pass 2: acc[h] = sum_t p[h][t] * v_t.
+  std::fill(acc, acc + num_heads * head_size, 0.f);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    widen(value_cache + pg.offset(t), row, pg.token_stride);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float p = scores[h * len + t - t_begin];
+      const float* vh = row + (h / group) * head_size;
+      float* ah = acc + h * head_size;
+#pragma omp simd
+      for (int64_t d = 0; d < head_size; ++d) ah[d] += p * vh[d];
+    }
+  }
+}
+
+// Below this many tokens per part a context is not split: the merge and the second task cost
+// more than the halved loop saves.
+constexpr int64_t kMinSplitTokens = 512;
+
+// Per (sequence, part) results of a split context: maxima [H], sums [H], unnormalised acc
+// [H, D]; merged by their softmax maxima and sums (vLLM's paged_attention_v2).
+struct Parts {
+  int64_t splits, num_heads, head_size;
+  std::vector<float> max, sum, acc;
+  float* max_at(int64_t task) { return max.data() + task * num_heads; }
+  float* sum_at(int64_t task) { return sum.data() + task * num_heads; }
+  float* acc_at(int64_t task) { return acc.data() + task * num_heads * head_size; }
+
+  template <typename T>
+  void merge(int64_t seq, T* out, float* acc_buf) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float m = -1e30f;
+      for (int64_t part = 0; part < splits; ++part)
+        m = std::max(m, max_at(seq * splits + part)[h]);
+      float total = 0.f;
+      std::fill(acc_buf, acc_buf + head_size, 0.f);
+      for (int64_t part = 0; part < splits; ++part) {
+        const int64_t task = seq * splits + part;
+        const float w = std::exp(std::max(max_at(task)[h] - m, -80.f));
+        total += w * sum_at(task)[h];
+        const float* pa = acc_at(task) + h * head_size;
+        for (int64_t d = 0; d < head_size; ++d) acc_buf[d] += w * pa[d];
+      }
+      const float inv = 1.f / total;
+      T* dst = out + seq * num_heads * head_size + h * head_size;
+      for (int64_t d = 0; d < head_size; ++d) store(acc_buf[d] * inv, dst + d);
+    }
+  }
+};
+
+// One part (t_begin..t_end) of a split context into its slot of ``parts``.
+template <typename T>
+void attend_part(const float* q, const T* kc, const T* vc, const Paged& pg, int64_t t_begin,
+                 int64_t t_end, int64_t num_kv_heads, float* row, std::vector<float>& scores,
+                 Parts& parts, int64_t task) {
+  const int64_t num_heads = parts.num_heads, hd = num_heads * parts.head_size;
+  float *pm = parts.max_at(task), *ps = parts.sum_at(task), *pa = parts.acc_at(task);
+  if (t_begin == t_end) {  // an empty part: weight zero in the merge
+    std::fill(pm, pm + num_heads, -1e30f);
+    std::fill(ps, ps + num_heads, 0.f);
+    std::fill(pa, pa + hd, 0.f);
+    return;
+  }
+  const int64_t n = t_end - t_begin;
+  scores.resize(num_heads * n);
+  attend(q, kc, vc, pg, t_begin, t_end, num_heads, num_kv_heads, parts.head_size, row,
+         scores.data(), pa, pm);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) sum += scores[h * n + t];
+    ps[h] = sum;
+  }
+}
+
+// query_start_loc (nullable: one query per sequence): sequence i has queries
+// qsl[i]..qsl[i+1]-1, its last ones (a decode with speculative drafts); query j of q_len sees
+// the first seq_len - (q_len - 1 - j) tokens, i.e. each is a decode of its own.
+template <typename T>
+void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_table,
+            const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int64_t num_seqs,
+            int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+            int64_t block_table_stride, float scale) {
+  const int64_t hd = num_heads * head_size, token_stride = num_kv_heads * head_size;
+  // One task per sequence: a token's K for every kv head is one contiguous row, so a block is
+  // read front to back (prefetch-friendly) and each row serves all num_heads query heads.
+  // Fewer plain decodes than threads: long contexts are split in parts, one task each.
+  int64_t splits = 1;
+  const int64_t threads = omp_get_max_threads();
+  if (!query_start_loc && num_seqs < threads) {
+    const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
+    splits = std::clamp<int64_t>(longest / kMinSplitTokens, 1, threads / num_seqs);
+  }
+  Parts parts{splits, num_heads, head_size, {}, {}, {}};
+  if (splits > 1) {
+    parts.max.resize(num_seqs * splits * num_heads);
+    parts.sum.resize(num_seqs * splits * num_heads);
+    parts.acc.resize(num_seqs * splits * hd);
+  }
+#pragma omp parallel
+  {
+    std::vector<float> q(hd), row(token_stride), acc(hd), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_seqs * splits; ++task) {
+      const int64_t seq = task / splits, part = task % splits;
+      const int64_t q_begin = query_start_loc ? query_start_loc[seq] : seq;
+      const int64_t q_len = query_start_loc ? query_start_loc[seq + 1] - q_begin : 1;
+      const Paged pg{block_table + seq * block_table_stride, block_size, token_stride,
+                     block_size * token_stride};
+      for (int64_t j = 0; j < q_len; ++j) {
+        const int64_t len = seq_lens[seq] - (q_len - 1 - j);
+        const T* q_src = query + (q_begin + j) * hd;
+        for (int64_t i = 0; i < hd; ++i) q[i] = load(q_src[i]) * scale;
+        if (splits == 1) {
+          scores.resize(num_heads * len);
+          attend(q.data(), key_cache, value_cache, pg, 0, len, num_heads, num_kv_heads,
+                 head_size, row.data(), scores.data(), acc.data(), nullptr);
+          finish(acc.data(), scores.data(), out + (q_begin + j) * hd, num_heads, head_size, len);
+          continue;
+        }
+        const int64_t chunk = (len + splits - 1) / splits;
+        const int64_t t_begin = std::min(len, part * chunk), t_end = std::min(len, t_begin + chunk);
+        attend_part(q.data(), key_cache, value_cache, pg, t_begin, t_end, num_kv_heads,
+                    row.data(), scores, parts, task);
+      }
+    }
+    if (splits > 1) {
+#pragma omp for schedule(static)
+      for (int64_t seq = 0; seq < num_seqs; ++seq) parts.merge(seq, out, acc.data());
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// All tensors contiguous: query/out [num_queries, num_heads, head_size]; caches [num_blocks,
+// block_size, num_kv_heads, head_size]; block_table [num_seqs, block_table_stride] int32;
+// seq_lens [num_seqs] int32, each >= its number of queries; qsl [num_seqs + 1] int32 or null.
+void paged_decode_attention_f32(const float* q, const float* kc, const float* vc,
+                                const int32_t* bt, const int32_t* sl, const int32_t* qsl,
+                                float* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
+                                int64_t bs, int64_t bts, float scale) {
+  decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+}
+
+void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                                 const int32_t* bt, const int32_t* sl, const int32_t* qsl,
+                                 uint16_t* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
+                                 int64_t bs, int64_t bts, float scale) {
+  decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+}
+
+}  // extern "C"

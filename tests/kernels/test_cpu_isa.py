@@ -1,0 +1,139 @@
+"""Which ISA tier of our CPU kernels runs: the best the CPU reports, capped by
+``PAGEDSERVE_CPU_ISA`` (torch capped the same way when set before it is imported); a tier the
+CPU lacks is refused with the flags it lacks; the build is cached per tier and degrades to None
+(the torch fallback) when there is no compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import structlog
+import torch
+
+from pagedserve.kernels import cpu_isa, cpu_ops
+from tests.kernels.test_cpu_ops import _setup
+
+ZEN3 = frozenset("fpu sse2 avx avx2 fma f16c bmi2".split())  # AVX2, no AVX-512
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """cpu_ops as before its first load(), restored afterwards."""
+    for attr, value in (("_tried", False), ("_lib", None), ("_isa", None), ("_error", None)):
+        monkeypatch.setattr(cpu_ops, attr, value)
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    return monkeypatch
+
+
+def test_selection_is_the_best_tier_under_the_cap():
+    assert cpu_isa.supported(ZEN3) == ("generic", "avx2")
+    assert cpu_isa.supported(ZEN4) == ("generic", "avx2", "avx512")
+    assert cpu_isa.supported(frozenset()) == ("generic",)  # e.g. aarch64: no x86 flags
+    assert cpu_isa.select(None, ZEN4) == "avx512" and cpu_isa.select("amx", ZEN4) == "avx512"
+    assert cpu_isa.select("avx2", ZEN4) == "avx2" and cpu_isa.select("generic", ZEN4) == "generic"
+    assert cpu_isa.select("avx512", ZEN3) == "avx2"  # a cap above the CPU is no promotion
+    assert cpu_isa.select(None, frozenset({"avx2", "fma"})) == "generic"  # no F16C
+
+
+@pytest.mark.parametrize("cap", cpu_isa.ISAS)
+def test_cap_is_obeyed_and_logged(fresh, cap):
+    if cap not in cpu_isa.supported():
+        pytest.skip(f"this CPU cannot run the {cap} kernels")
+    fresh.setenv(cpu_isa.ISA_ENV, cap.upper())
+    with structlog.testing.capture_logs() as logs:
+        lib = cpu_ops.load()
+    assert lib is not None, cpu_ops.error()
+    assert cpu_ops.isa() == cap and lib.cpu_ops_isa() == cap.encode()
+    (loaded,) = [e for e in logs if e["event"] == "cpu_kernels_loaded"]
+    assert loaded["isa"] == cap and loaded["cap"] == cap
+    assert cpu_ops.prefill_supported(64) == (cap != "generic")
+
+
+def test_unset_cap_takes_the_best_tier(fresh):
+    assert cpu_ops.isa() == cpu_isa.supported()[-1]
+
+
+def test_unknown_cap_is_an_error(fresh):
+    fresh.setenv(cpu_isa.ISA_ENV, "avx10")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='avx10' is not one of"):
+        cpu_ops.load()
+
+
+def test_a_tier_the_cpu_lacks_is_refused(fresh):
+    fresh.setattr(cpu_isa, "cpu_flags", lambda: ZEN3)  # as on an AVX2-only CPU
+    with pytest.raises(ValueError, match="cannot run the avx512 kernels .*avx512bw"):
+        cpu_ops.load_isa("avx512")
+    with pytest.raises(ValueError, match="cannot run the avx512"), cpu_ops.use_isa("avx512"):
+        pass
+    fresh.setenv(cpu_isa.ISA_ENV, "avx512")
+    assert cpu_ops.isa() == "avx2"
+    with pytest.raises(ValueError, match="unknown CPU ISA tier 'sse3'"):
+        cpu_ops.load_isa("sse3")
+
+
+def test_use_isa_switches_and_restores():
+    before = cpu_ops.isa()
+    with cpu_ops.use_isa("generic") as lib:
+        assert cpu_ops.isa() == "generic" and cpu_ops.load() is lib
+        assert not cpu_ops.prefill_supported(64)
+    assert cpu_ops.isa() == before
+
+
+@pytest.mark.parametrize("user_set", [False, True])
+def test_cap_reaches_torch_when_set_before_its_import(user_set):
+    if "avx2" not in cpu_isa.supported():
+        pytest.skip("this CPU cannot run AVX2")
+    env = {k: v for k, v in os.environ.items() if k not in cpu_isa.TORCH_ENV["avx2"]}
+    env[cpu_isa.ISA_ENV] = "avx2"
+    if user_set:
+        env["ATEN_CPU_CAPABILITY"] = "default"  # a value the user set wins
+    code = ("import json, os; from pagedserve.kernels.cpu_isa import cap_torch_env; "
+            "set_now = cap_torch_env(); import torch; print(json.dumps([set_now, "
+            "torch.backends.cpu.get_cpu_capability(), os.environ['ONEDNN_MAX_CPU_ISA']]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    set_now, capability, onednn = json.loads(out)
+    assert capability == ("DEFAULT" if user_set else "AVX2") and onednn == "AVX2"
+    assert ("ATEN_CPU_CAPABILITY" in set_now) == (not user_set)
+
+
+def test_cap_torch_env_is_a_no_op_once_torch_is_imported(monkeypatch):
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert "torch" in sys.modules and cpu_isa.cap_torch_env() == {}
+    assert "ATEN_CPU_CAPABILITY" not in os.environ
+
+
+def test_build_is_cached_and_failure_falls_back(fresh, tmp_path):
+    monkeypatch = fresh
+    monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path))
+    assert cpu_ops.load() is not None
+    built = list(tmp_path.glob("cpu_ops-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    assert cpu_ops.load() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
+    # A compiler that fails: load() says None and why; nothing half-built is left behind.
+    monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path / "other"))
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    monkeypatch.setattr(cpu_ops, "_lib", None)
+    assert cpu_ops.load() is None
+    assert "false failed" in cpu_ops.error()
+    assert list((tmp_path / "other").iterdir()) == []
+    with pytest.raises(RuntimeError, match="unavailable"):
+        q, kc, vc, table, lens = _setup([2], 2, 2, 8, 4, torch.float32)
+        cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 1.0)
+
+
+def test_loading_keeps_subnormals():
+    """Linking with -ffast-math would set flush-to-zero for the whole process on load (gcc's
+    crtfastmath.o): torch, numpy and hypothesis would all see subnormals vanish."""
+    assert cpu_ops.load() is not None
+    assert (torch.tensor(1e-40) * 1.0).item() != 0.0
