@@ -208,12 +208,12 @@ class AsyncEngine:
         """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
         rest (their clients get an error saying the server is shutting down)."""
         try:
-            await asyncio.wait_for(self._idle(), timeout)
+            await asyncio.wait_for(self.wait_idle(), timeout)
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on; 3.10 is supported
             self.scheduler.send(AbortAll("server shutting down"))
-            await self._idle()  # answered after the AbortAll: the requests are gone
+            await self.wait_idle()  # answered after the AbortAll: the requests are gone
 
-    async def _idle(self) -> None:
+    async def wait_idle(self) -> None:
         """Until the scheduler says nothing is running or waiting."""
         reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.scheduler.send(NotifyWhenIdle(reply))

@@ -11,7 +11,9 @@ once, by one of two transitions:
   cancelled, the stream was dropped unread), so ``AbortRequest`` goes to the scheduler, which
   frees the blocks before its next step.
 
-Either transition reports the end to the stat loggers, once.
+Either transition reports the end to the stat loggers, once. (vLLM V1 splits this between
+``AsyncLLM.generate``, which aborts on cancellation, and the per-request state of
+``vllm/v1/engine/output_processor.py``; here one object holds both.)
 """
 
 from __future__ import annotations

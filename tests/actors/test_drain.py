@@ -46,8 +46,8 @@ async def test_a_drain_that_gave_up_leaves_the_scheduler_serving(tiny_model_dir)
         long = await engine.add_request("long", ids, SamplingParams(
             temperature=0, max_tokens=400, ignore_eos=True))
         with pytest.raises(asyncio.TimeoutError):  # its NotifyWhenIdle reply is cancelled
-            await asyncio.wait_for(engine._idle(), 0)
+            await asyncio.wait_for(engine.wait_idle(), 0)
         long.close()
-        await asyncio.wait_for(engine._idle(), 60)  # the scheduler answers a later one
+        await asyncio.wait_for(engine.wait_idle(), 60)  # the scheduler answers a later one
     finally:
         await engine.shutdown()
