@@ -1,6 +1,6 @@
 """A long prompt on the real SmolLM2 (float32) gives transformers' greedy tokens through every
 long-context path: chunked prefill (later chunks attend to their cached context in the C++
-prefill kernel), a prefix-cache hit on the whole prompt, and decodes past 1,024 tokens (decode
+prefill kernel, where the CPU has AVX-512), a prefix-cache hit on the whole prompt, and decodes past 1,024 tokens (decode
 attention split across threads and merged)."""
 
 from __future__ import annotations

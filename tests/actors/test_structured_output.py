@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -108,9 +109,15 @@ def test_json_ends_at_the_closing_brace(manager, tokenizer):
 
 
 async def test_waiting_for_grammar_then_runs(tiny_model_dir):
-    """A caller that skips the handler's compile: the scheduler parks the request, not itself."""
-    engine = await AsyncEngine.start(engine_config(tiny_model_dir))
+    """A caller that skips the handler's compile: the scheduler parks the request, not itself.
+    The compile threads are held busy until the plain request is done, so the grammar is still
+    compiling when the scheduler sees the request, however fast the machine compiles."""
+    config = engine_config(tiny_model_dir)
+    engine = await AsyncEngine.start(config)
+    gate = threading.Event()
     try:
+        for _ in range(config.structured_output.num_compile_threads):
+            engine.structured_output._pool.submit(gate.wait)
         spec = Spec(json={"type": "object", "properties": {
             f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 5 + 1}}}-[0-9]{{2}}$"}
             for i in range(80)}}, disable_any_whitespace=True)
@@ -126,6 +133,8 @@ async def test_waiting_for_grammar_then_runs(tiny_model_dir):
         assert s.scheduler.num_waiting_for_grammar == 1
         plain = await run("plain", SamplingParams(temperature=0, max_tokens=5))
         assert plain
+        assert (await engine.get_stats())["scheduler"]["num_waiting_for_grammar"] == 1
+        gate.set()
         out = json.loads(await task)
         assert all(re.fullmatch(r"[a-z]{1,5}-[0-9]{2}", v) for v in out.values())
         assert (await engine.get_stats()).scheduler.num_waiting_for_grammar == 0
@@ -133,6 +142,7 @@ async def test_waiting_for_grammar_then_runs(tiny_model_dir):
         with pytest.raises(EngineError, match="Unclosed"):
             await run("bad", bad)
     finally:
+        gate.set()
         await engine.shutdown()
 
 
