@@ -26,6 +26,7 @@ from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
 from pagedserve.gpu.thread_governor import ThreadGovernor
+from pagedserve.kernels import cpu_isa
 
 log = structlog.get_logger(__name__)
 
@@ -34,16 +35,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16), so bfloat16 beats
-    float32 there; elsewhere torch emulates it and float32 is faster."""
+    float32 there; elsewhere torch emulates it and float32 is faster. ``PAGEDSERVE_CPU_ISA``
+    below ``avx512`` answers as a CPU without those units would (the tier being measured)."""
     try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
+        if cpu_isa.requested_cap() in ("generic", "avx2"):
+            return False
+    except ValueError:
+        pass  # refused with its message when the kernels load
+    return bool(cpu_isa.cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -11,10 +11,16 @@ import signal
 import sys
 
 from pagedserve.gpu.cpu_threads import openmp_defaults
+from pagedserve.kernels.cpu_isa import cap_torch_env
 
 # First, before the imports below load torch: libgomp (torch's OpenMP, shared by our C++
-# kernels) reads its spin-wait settings once, when it is loaded, from the environment.
+# kernels) reads its spin-wait settings once, when it is loaded, from the environment; ATen,
+# oneDNN and MKL read their ISA caps likewise, so PAGEDSERVE_CPU_ISA caps torch here too.
 os.environ.update(openmp_defaults())
+try:
+    cap_torch_env()
+except ValueError:
+    pass  # a bad PAGEDSERVE_CPU_ISA is refused, with its message, when the kernels load
 
 import structlog
 

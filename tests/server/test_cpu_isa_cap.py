@@ -1,0 +1,48 @@
+"""``PAGEDSERVE_CPU_ISA`` set for the server caps torch's kernels too (the server sets the torch
+variables before its imports load torch), and ``--dtype auto`` then picks what a CPU of that
+tier would get: float32 below avx512, where there is no bfloat16 hardware."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from pagedserve.gpu.model_runner import pick_dtype
+from pagedserve.kernels import cpu_isa
+
+CPU = torch.device("cpu")
+
+
+def _server_torch(**env: str) -> str:
+    """torch's CPU capability as seen after importing the server's CLI, in a fresh process."""
+    base = {k: v for k, v in os.environ.items() if k not in (
+        cpu_isa.ISA_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    code = ("import pagedserve.server.cli, torch, os;"
+            "print(torch.backends.cpu.get_cpu_capability(), os.environ.get('ONEDNN_MAX_CPU_ISA'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**base, **env}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip()
+
+
+def test_the_server_caps_torch_to_avx2():
+    if "avx2" not in cpu_isa.supported():
+        return  # nothing to cap to: the CPU has no AVX2, torch runs below it anyway
+    assert _server_torch(PAGEDSERVE_CPU_ISA="avx2") == "AVX2 AVX2"
+    # the user's own torch setting wins over ours
+    assert _server_torch(PAGEDSERVE_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="default").startswith(
+        "DEFAULT ")
+
+
+def test_dtype_auto_is_float32_on_a_capped_tier(monkeypatch):
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    assert pick_dtype("auto", CPU) == torch.float32
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")
+    assert pick_dtype("auto", CPU) == torch.float32
+    monkeypatch.delenv(cpu_isa.ISA_ENV)
+    has_bf16 = bool(cpu_isa.cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    assert pick_dtype("auto", CPU) == (torch.bfloat16 if has_bf16 else torch.float32)
+    assert pick_dtype("bfloat16", CPU) == torch.bfloat16  # an explicit dtype is kept
