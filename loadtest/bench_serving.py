@@ -46,63 +46,19 @@ import math
 import os
 import random
 import shlex
-import statistics
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import httpx
-
+from bench_samples import Sample, summarize
 from noisy_neighbour import busy_neighbour, default_cpu, kept
-from pagedserve.server.launch import start_server_process
 from workloads import BenchRequest, build_workload
 
+from pagedserve.server.launch import start_server_process
+
 # -- one measured request ---------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Sample:
-    """What one request measured (seconds, from the moment it was sent)."""
-
-    ok: bool = False
-    error: str | None = None
-    ttft: float | None = None
-    e2e: float = 0.0
-    output_tokens: int = 0
-    itls: list[float] = field(default_factory=list)
-
-
-def _percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": None, "median": None, "p99": None}
-    s = sorted(xs)
-    k = (len(s) - 1) * 0.99
-    lo = math.floor(k)
-    p99 = s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
-    return {"mean": round(statistics.fmean(s) * 1e3, 2),
-            "median": round(statistics.median(s) * 1e3, 2), "p99": round(p99 * 1e3, 2)}
-
-
-def summarize(samples: list[Sample], wall: float, **extra) -> dict:
-    ok = [s for s in samples if s.ok]
-    out_tokens = sum(s.output_tokens for s in ok)
-    tpot = [(s.e2e - s.ttft) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]
-    return {
-        **extra,
-        "completed": len(ok),
-        "failed": len(samples) - len(ok),
-        "errors": sorted({s.error for s in samples if s.error})[:3],
-        "duration_s": round(wall, 3),
-        "output_tokens": out_tokens,
-        "request_throughput": round(len(ok) / wall, 3),
-        "output_throughput": round(out_tokens / wall, 2),
-        "ttft_ms": _percentiles([s.ttft for s in ok if s.ttft is not None]),
-        "tpot_ms": _percentiles(tpot),
-        "itl_ms": _percentiles([g for s in ok for g in s.itls]),
-        "e2e_ms": _percentiles([s.e2e for s in ok]),
-    }
 
 
 async def _one(client: httpx.AsyncClient, args, req: BenchRequest) -> Sample:
