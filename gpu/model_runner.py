@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-
 from transformers import PretrainedConfig
 
 from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader

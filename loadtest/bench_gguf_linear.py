@@ -12,7 +12,6 @@ in cache when timed alone, so the whole-model effect is in ``profile_decode.py
 from __future__ import annotations
 
 # ruff: noqa: E402  (cap_torch_env() must run before torch is imported)
-
 import argparse
 import time
 

@@ -23,8 +23,8 @@ import torch
 import xgrammar as xgr
 
 from pagedserve.actors.engine import AsyncEngine, EngineConfig
-from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 LONG = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 64}

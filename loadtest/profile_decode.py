@@ -17,7 +17,6 @@ with de-quantized weights; ``--prefill`` also times a step prefilling the batch'
 from __future__ import annotations
 
 # ruff: noqa: E402  (cap_torch_env() must run before torch is imported)
-
 import argparse
 import contextlib
 import itertools

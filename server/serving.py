@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig

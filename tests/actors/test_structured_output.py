@@ -133,7 +133,7 @@ async def test_waiting_for_grammar_then_runs(tiny_model_dir):
         assert s.scheduler.num_waiting_for_grammar == 1
         plain = await run("plain", SamplingParams(temperature=0, max_tokens=5))
         assert plain
-        assert (await engine.get_stats())["scheduler"]["num_waiting_for_grammar"] == 1
+        assert (await engine.get_stats()).scheduler.num_waiting_for_grammar == 1
         gate.set()
         out = json.loads(await task)
         assert all(re.fullmatch(r"[a-z]{1,5}-[0-9]{2}", v) for v in out.values())
