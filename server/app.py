@@ -20,6 +20,8 @@ from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.middleware import RequestGuard
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedserve.server.request_body import parse_body
+from pagedserve.server.responses_api import ResponsesServing
+from pagedserve.server.responses_store import ResponseStore
 from pagedserve.server.serving import Serving, ServingConfig
 
 log = structlog.get_logger(__name__)
@@ -51,6 +53,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
     routes = [
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
         Route("/v1/completions", serving.completion, methods=["POST"]),
+        *ResponsesServing(serving, ResponseStore(config.max_stored_responses)).routes(),
         *_model_routes(engine, serving),
         *_tokenizer_routes(engine, serving),
         Route("/version", version_route, methods=["GET"]),

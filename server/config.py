@@ -43,6 +43,10 @@ class ServingConfig:
         "env": "PAGEDSERVE_ADMIN_KEY",
         "default_text": "$PAGEDSERVE_ADMIN_KEY",
     })
+    max_stored_responses: int = field(default=1000, metadata={
+        "help": "responses of /v1/responses kept in memory for previous_response_id (least "
+                "recently used dropped first; 0 = none)",
+    })
 
 
 @dataclass(slots=True)

@@ -1,0 +1,154 @@
+"""``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API on the chat
+path.
+
+A response is a chat completion underneath: ``instructions`` become a system message, the
+conversation of ``previous_response_id`` (from the in-memory ``ResponseStore``) comes before
+this turn's ``input``, the chat template renders them, and ``Serving`` validates the sampling
+fields, compiles ``text.format`` into a guided-decoding grammar and starts the one engine
+request, so greedy output equals ``/v1/chat/completions`` for the same messages. As on the chat
+path, everything that can be wrong is found before a stream starts. (vLLM's
+``vllm/entrypoints/openai/serving_responses.py`` is the reference for the flow.)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pagedserve.actors.request_stream import RequestStream
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.request_body import parse_body
+from pagedserve.server.responses import OnDone, RequestSummary, until_disconnect
+from pagedserve.server.responses_events import Progress, ResponseShape, collect, events
+from pagedserve.server.responses_protocol import FunctionTool, ResponsesRequest, chat_tools
+from pagedserve.server.responses_store import ResponseStore, StoredResponse
+from pagedserve.server.serving import Serving
+
+
+@dataclass(slots=True)
+class _Turn:
+    """One request, resolved and started.
+
+    Attributes:
+        conversation: every turn's messages, without instructions, ending with this input.
+        log_done: writes the request log line (its clock starts when the request does).
+    """
+
+    shape: ResponseShape
+    engine_id: str
+    conversation: list[dict[str, str]]
+    stream: RequestStream
+    log_done: OnDone
+
+
+class ResponsesServing:
+    """The Responses API handlers over one ``Serving`` and one ``ResponseStore``."""
+
+    def __init__(self, serving: Serving, store: ResponseStore):
+        self.serving = serving
+        self.store = store
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/responses", self.create, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"])]
+
+    async def retrieve(self, request: Request) -> JSONResponse:
+        response_id = request.path_params["response_id"]
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise OpenAIError(f"Response with id '{response_id}' not found.", status=404,
+                              param="response_id")
+        return JSONResponse(entry.body)
+
+    async def create(self, request: Request) -> Response:
+        body: ResponsesRequest = await parse_body(request, ResponsesRequest)
+        self.serving.check_model(body.model)
+        check_tools(body)
+        turn = await self._start(request, body)
+        headers = {"X-Request-Id": turn.engine_id}
+        if body.stream:
+            return EventSourceResponse(events(turn.shape, turn.stream, self._on_done(turn)),
+                                       sep="\n", headers=headers)
+        progress = await until_disconnect(request, collect(turn.stream), [turn.stream])
+        if not isinstance(progress, Progress):
+            return progress  # the client went away: the 499 that until_disconnect made
+        final = turn.shape.final(progress)
+        self._on_done(turn)(final, progress)
+        return JSONResponse(final, headers=headers)
+
+    def _conversation(self, body: ResponsesRequest) -> list[dict[str, str]]:
+        """The previous response's conversation, then this input."""
+        previous: list[dict[str, str]] = []
+        if body.previous_response_id is not None:
+            entry = self.store.get(body.previous_response_id)
+            if entry is None:
+                raise OpenAIError(
+                    f"Previous response with id '{body.previous_response_id}' not found.",
+                    status=404, param="previous_response_id")
+            previous = entry.conversation
+        return [*previous, *body.messages()]
+
+    def _prompt_ids(self, body: ResponsesRequest,
+                    conversation: list[dict[str, str]]) -> tuple[str, list[int]]:
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        try:
+            prompt = self.serving.chat_prompt([*system, *conversation])
+        except OpenAIError as e:
+            raise OpenAIError(e.message, param="input") from e
+        ids = self.serving.tokenizer.encode(prompt, add_special_tokens=False)
+        limit = self.serving.max_model_len
+        if body.max_output_tokens is not None and len(ids) + body.max_output_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(ids) + body.max_output_tokens} tokens ({len(ids)} in the "
+                f"input, {body.max_output_tokens} for the output).", param="max_output_tokens")
+        return prompt, ids
+
+    async def _start(self, request: Request, body: ResponsesRequest) -> _Turn:
+        """Everything that can fail before a stream starts: the conversation, the prompt's
+        length, sampling fields, the grammar, the scheduler's admission."""
+        conversation = self._conversation(body)
+        prompt, ids = self._prompt_ids(body, conversation)
+        sampling = body.sampling_body()
+        params = self.serving._sampling_params(sampling, len(ids), body.max_output_tokens,
+                                               "input", None)
+        grammar = await self.serving._structured_outputs(body, params)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        engine_id = request.headers.get("x-request-id") or response_id
+        streams = await self.serving._start(engine_id, ids, params, sampling, grammar)
+        shape = ResponseShape(
+            response_id=response_id, message_id=f"msg_{uuid.uuid4().hex}",
+            created_at=int(time.time()), model=self.serving.config.served_model_name,
+            body=body, num_input_tokens=len(ids))
+        log_done = self.serving._logger(engine_id, prompt, len(ids))
+        return _Turn(shape, engine_id, conversation, streams[0], log_done)
+
+    def _on_done(self, turn: _Turn):
+        """Stores the finished response (when ``store``) and logs it."""
+        def done(final: dict[str, Any], progress: Progress) -> None:
+            if turn.shape.body.store:
+                answer = {"role": "assistant", "content": progress.text}
+                self.store.put(turn.shape.response_id,
+                               StoredResponse([*turn.conversation, answer], final))
+            turn.log_done(RequestSummary(progress.num_output_tokens, [progress.finish_reason],
+                                    progress.ttft_s, [progress.text]))
+
+        return done
+
+
+def check_tools(body: ResponsesRequest) -> None:
+    """``tools``/``tool_choice`` are validated and converted (``chat_tools``); a request that
+    lets the model call a tool is a 400 until tool-call generation reaches this endpoint."""
+    tools = [t for t in body.tools if isinstance(t, FunctionTool)]
+    _, choice = chat_tools(tools, body.tool_choice)
+    if tools and choice != "none":
+        raise OpenAIError(
+            "tools: tool calls on /v1/responses need the tool-calling feature, which this "
+            "server does not have yet; send tool_choice 'none' or no tools", param="tools")
