@@ -165,7 +165,10 @@ async def events(shape: ResponseShape, stream: RequestStream,
                 yield event("response.output_text.delta", **where, content_index=0,
                             delta=d.text, logprobs=[])
     except Exception as e:  # the stream already started: report in-band, then end it
-        log.exception("responses_stream_failed", response_id=shape.response_id)
+        if isinstance(e, EngineShuttingDown):
+            log.info("stream_ended_by_shutdown", response_id=shape.response_id)
+        else:
+            log.exception("responses_stream_failed", response_id=shape.response_id)
         error = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
         yield event("response.failed", response=shape.response(
             "failed", [shape.message(progress.text, "incomplete")],
