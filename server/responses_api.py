@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,15 +131,17 @@ class ResponsesServing:
         log_done = self.serving._logger(engine_id, prompt, len(ids))
         return _Turn(shape, engine_id, conversation, streams[0], log_done)
 
-    def _on_done(self, turn: _Turn):
+    def _on_done(self, turn: _Turn) -> Callable[[dict[str, Any], Progress], None]:
         """Stores the finished response (when ``store``) and logs it."""
+
         def done(final: dict[str, Any], progress: Progress) -> None:
             if turn.shape.body.store:
                 answer = {"role": "assistant", "content": progress.text}
                 self.store.put(turn.shape.response_id,
                                StoredResponse([*turn.conversation, answer], final))
-            turn.log_done(RequestSummary(progress.num_output_tokens, [progress.finish_reason],
-                                    progress.ttft_s, [progress.text]))
+            turn.log_done(RequestSummary(progress.num_output_tokens,
+                                         [progress.finish_reason], progress.ttft_s,
+                                         [progress.text]))
 
         return done
 
