@@ -110,13 +110,13 @@ class Serving:
 
     @staticmethod
     def _prompt_logprobs(body: _SamplingBody, logprobs: int | None) -> int | None:
-        """How many top alternatives per prompt token the engine computes: as asked, or with
-        a completion's ``echo`` and ``logprobs`` that many (vLLM's rule)."""
-        if body.prompt_logprobs is not None:
+        """How many top alternatives per prompt token the engine computes (``None``: it
+        computes none): as asked (a stream shows none: only 0 is allowed there, so none is
+        computed), or with a completion's ``echo`` and ``logprobs`` that many (vLLM's rule)."""
+        echo = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
+        if body.prompt_logprobs is not None and (echo or not body.stream):
             return body.prompt_logprobs
-        if isinstance(body, CompletionRequest) and body.echo:
-            return logprobs
-        return None
+        return logprobs if echo else None
 
     async def _structured_outputs(
         self, body: Any, params: SamplingParams,
