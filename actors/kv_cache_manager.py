@@ -57,7 +57,7 @@ class KVCacheManager:
 
         Capped so the last known token is always computed: its logits give the next token.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
 
@@ -46,12 +47,18 @@ class RequestOutput:
         new_token_ids: tokens sampled for the request in this step.
         finish_reason: ``stop``, ``length``, ``abort``, ``error`` or ``None`` while running.
         error: message when ``finish_reason == "error"``.
+        logprobs: one per new token, when asked for.
+        prompt_logprobs: on the first output of a request that asked: one per prompt token
+            after the first (``Request.prompt_logprobs``).
+        num_cached_tokens: on the first output, the prompt tokens the prefix cache held.
     """
 
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +86,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     scheduled_time: float | None = None  # first time it was in a step (for queue time)
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
+    # With sampling_params.prompt_logprobs: prompt tokens 1.. as the prefill computed them.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -91,3 +100,28 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs come from the prefill's logits, so a request that wants them
+        computes its whole prompt: it takes no prefix-cache hit (its blocks are still cached
+        for others). vLLM V1 does the same."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    def prompt_logprobs_wanted(self, start: int, n: int) -> PromptLogprobsWanted | None:
+        """What the runner needs to compute prompt logprobs for the chunk of ``n`` tokens at
+        ``start``; ``None`` when it needs none (not asked, past the prompt, or all known:
+        the recompute after a preemption)."""
+        k = self.sampling_params.prompt_logprobs
+        last = self.num_prompt_tokens - 1  # the logits there predict the first output token
+        if k is None or start >= last or len(self.prompt_logprobs) >= last:
+            return None
+        end = start + n
+        return PromptLogprobsWanted(k, self.prompt_token_ids[end] if end <= last else None)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Append a chunk's entries, skipping those already known (recomputed after a
+        preemption mid-prefill)."""
+        skip = len(self.prompt_logprobs) - (chunk.start - 1)
+        if skip >= 0:
+            self.prompt_logprobs.extend(chunk.entries[skip:])

@@ -42,6 +42,9 @@ class GenerationDelta:
         finish_reason: ``stop``/``length`` on the last delta, else ``None``.
         num_prompt_tokens, num_output_tokens: usage so far.
         logprobs: one per token in ``token_ids``, when the request asked for them.
+        prompt_logprobs: on the first delta of a request that asked, one per prompt token
+            after the first.
+        num_cached_tokens: on the first delta, prompt tokens found in the prefix cache.
     """
 
     text: str
@@ -50,6 +53,8 @@ class GenerationDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
 
 
 class StreamState(enum.Enum):
@@ -146,7 +151,8 @@ class RequestStream:
         elif finish is not None:  # a stop string matched: the scheduler would run on
             self._abort(finish)
         return GenerationDelta(text, out.new_token_ids, finish, self._request.num_prompt_tokens,
-                               self._num_output, out.logprobs)
+                               self._num_output, out.logprobs, out.prompt_logprobs,
+                               out.num_cached_tokens)
 
     def close(self) -> None:
         """Stop reading: a live request is aborted and its blocks freed."""

@@ -127,6 +127,7 @@ class Scheduler(Actor):
                 continue
             merged.sampled_token_ids.update(out.sampled_token_ids)
             merged.logprobs.update(out.logprobs)
+            merged.prompt_logprobs.update(out.prompt_logprobs)
         return merged
 
     def has_unfinished_requests(self) -> bool:
@@ -246,6 +247,10 @@ class Scheduler(Actor):
         """The step's batch (``StepPlanner.plan``), the ids that ended since the last step, and
         the grammar bitmask of the guided requests that sample in it."""
         scheduled = self.planner.plan()
+        for sr in scheduled:  # prefill chunks of requests that want prompt logprobs
+            if sr.sampling_params.prompt_logprobs is not None:
+                sr.prompt_logprobs = self.requests[sr.req_id].prompt_logprobs_wanted(
+                    sr.num_computed_tokens, len(sr.token_ids))
         so = SchedulerOutput(scheduled, self.finished_req_ids)
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
             scheduled, self.requests)
@@ -260,6 +265,8 @@ class Scheduler(Actor):
             request = self.requests.get(sr.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if sr.req_id in out.prompt_logprobs:
+                request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
             new = out.sampled_token_ids.get(sr.req_id)
             accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
             request.num_computed_tokens += len(sr.token_ids) + accepted
@@ -271,6 +278,7 @@ class Scheduler(Actor):
             if request.first_token_time is None:
                 request.first_token_time = now
             status = None
+            first = not request.output_token_ids
             for i, token in enumerate(new):  # with drafts, a stop among them ends the output
                 request.output_token_ids.append(token)
                 status = advance(request, [token]) or self._check_stop(request)
@@ -280,8 +288,13 @@ class Scheduler(Actor):
             self.kv.update_block_hashes(request)
             if status is not None:
                 self._finish(request, status)
-            request.output_queue.put_nowait(RequestOutput(
-                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
+            output = RequestOutput(new, FINISH_REASONS.get(status),
+                                   logprobs=out.logprobs.get(sr.req_id))
+            if first:
+                output.num_cached_tokens = request.num_cached_tokens
+                if request.sampling_params.prompt_logprobs is not None:
+                    output.prompt_logprobs = request.prompt_logprobs
+            request.output_queue.put_nowait(output)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class ScheduledRequest:
             seen them (a prefix-cache hit at admission); else ``None``.
         spec_token_ids: draft tokens (speculative decoding) computed after ``token_ids`` in
             the same step; the runner returns the accepted ones plus one (greedy requests).
+        prompt_logprobs: set on a prefill chunk whose request wants prompt logprobs (its
+            logits rows are computed too: ``gpu/prompt_logprobs.py``); else ``None``.
     """
 
     req_id: str
@@ -55,6 +58,7 @@ class ScheduledRequest:
     num_prompt_tokens: int = 0
     prefix_token_ids: list[int] | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobsWanted | None = None
 
     @property
     def num_step_tokens(self) -> int:
@@ -146,7 +150,9 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Sampled token ids per request id (one each, or with drafts the accepted ones plus one),
-    and their logprobs for requests that asked."""
+    and their logprobs for requests that asked; prompt logprobs of the prefill chunks that
+    asked."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

@@ -13,7 +13,7 @@ import structlog
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader
+from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader, prompt_logprobs
 from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
 from pagedserve.gpu.config import CacheConfig, ModelConfig
@@ -309,7 +309,10 @@ class ModelRunner:
             known.extend(r.token_ids)
             known.extend(r.spec_token_ids)
         reqs = order_batch(so.scheduled)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
+        # Prompt logprobs take extra logits rows, which a captured graph does not compute.
+        wants_prompt_lps = any(r.prompt_logprobs is not None for r in reqs)
+        if (self.cuda_graphs is not None and not wants_prompt_lps
+                and self.cuda_graphs.can_run(reqs)):
             logits = self.cuda_graphs.run(reqs)
         else:
             if self.cuda_graphs is not None:
@@ -317,18 +320,25 @@ class ModelRunner:
             logits = self.model(prepare_inputs(reqs, self.block_size, self.device),
                                 self.kv_caches)
         sampled_reqs = [r for r in reqs if r.sample]
+        prompt_lps: dict[str, prompt_logprobs.PromptLogprobsChunk] = {}
+        if wants_prompt_lps:
+            num_rows = sum(len(r.spec_token_ids) + 1 for r in sampled_reqs)
+            logits, prompt_lps = prompt_logprobs.split_logits(logits, reqs, num_rows)
         if not sampled_reqs:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         if so.grammar_bitmask is not None:  # one logits row per request, k + 1 with drafts
             row_ids = [r.req_id for r in sampled_reqs for _ in range(len(r.spec_token_ids) + 1)]
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                                   row_ids)
         if any(r.spec_token_ids for r in sampled_reqs):
-            return self._verify_drafts(logits, sampled_reqs)
+            result = self._verify_drafts(logits, sampled_reqs)
+            result.prompt_logprobs = prompt_lps
+            return result
         out = sample(logits, [self._row(r) for r in sampled_reqs])
         return ModelRunnerOutput(
             {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
             {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
+            prompt_lps,
         )
 
     def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):

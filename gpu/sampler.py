@@ -91,9 +91,14 @@ def _needs_processing(p: SamplingParams) -> bool:
     return bool(p.logit_bias or p.min_tokens or p.needs_history)
 
 
-def _logprobs(lp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+def _logprobs(lp_row: torch.Tensor, token: int, k: int,
+              chosen: list[int] | None = None) -> TokenLogprobs:
+    """The sampled token's entry and the top ``k`` (or, given ``chosen``, those ids')."""
     value = lp_row[token]
     rank = int((lp_row > value).sum()) + 1
+    if chosen:
+        return TokenLogprobs(float(value), rank, list(chosen),
+                             lp_row[torch.tensor(chosen, device=lp_row.device)].tolist())
     top = lp_row.topk(k) if k > 0 else None
     return TokenLogprobs(
         logprob=float(value), rank=rank,
@@ -129,7 +134,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     token_list = tokens.tolist()
     out_lp: list[TokenLogprobs | None] = [None] * len(rows)
     for j, i in enumerate(want_lp):
-        out_lp[i] = _logprobs(logprobs[j], token_list[i], params[i].logprobs or 0)
+        out_lp[i] = _logprobs(logprobs[j], token_list[i], params[i].logprobs or 0,
+                              params[i].logprob_token_ids)
     return SamplerOutput(token_list, out_lp)
 
 

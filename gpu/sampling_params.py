@@ -63,6 +63,10 @@ class SamplingParams:
         logprobs: return this many top alternatives per token (``None`` = no logprobs; 0 = only
             the sampled token's). Values are ``log_softmax`` of the logits sampled from: after
             logit bias, min_tokens, penalties and temperature, before top-k/top-p/min-p.
+        logprob_token_ids: with ``logprobs``, the alternatives are these token ids (in this
+            order) instead of the top ones (vLLM's ``logprob_token_ids``).
+        prompt_logprobs: the logprob of every prompt token and this many top alternatives,
+            from the model's raw logits (``None`` = none): ``gpu/prompt_logprobs.py``.
         structured_outputs: a guided-decoding constraint, or ``None``.
     """
 
@@ -83,6 +87,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.gpu.attention import AttentionMetadata
+from pagedserve.gpu import prompt_logprobs
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 
 
@@ -24,7 +25,8 @@ class StepInputs:
         positions: ``[T]`` int64 position of each token in its sequence.
         attn: the attention metadata (slots, block tables, lengths, the ``BatchLayout``).
         logits_indices: ``[S]`` int64 rows of ``input_ids`` whose logits are sampled: each
-            sampling request's last token, and with drafts each draft's too.
+            sampling request's last token, and with drafts each draft's too; then, for prefill
+            chunks that want prompt logprobs, their prompt rows (``gpu/prompt_logprobs.py``).
     """
 
     input_ids: torch.Tensor
@@ -50,6 +52,7 @@ def prepare_inputs(reqs: list[ScheduledRequest], block_size: int,
     qsl = [0]
     seq_lens: list[int] = []
     logits_indices: list[int] = []
+    prompt_rows: list[int] = []  # after the sampled rows, so those keep their places
     for r in reqs:
         n, start = r.num_step_tokens, r.num_computed_tokens
         input_ids.extend(r.token_ids)
@@ -61,6 +64,9 @@ def prepare_inputs(reqs: list[ScheduledRequest], block_size: int,
         seq_lens.append(start + n)
         if r.sample:  # with drafts: the last token's row and each draft's
             logits_indices.extend(range(qsl[-1] - 1 - len(r.spec_token_ids), qsl[-1]))
+        if r.prompt_logprobs is not None:
+            prompt_rows.extend(prompt_logprobs.row_indices(r, qsl[-2]))
+    logits_indices.extend(prompt_rows)
     max_blocks = max(len(r.block_ids) for r in reqs)
     table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs]
     attn = AttentionMetadata(

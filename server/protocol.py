@@ -73,6 +73,12 @@ class _SamplingBody(StructuredOutputFields, _Body):
     priority: int = 0  # vLLM: lower runs earlier; needs --scheduling-policy priority
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache isolation
     return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
+    # vLLM's logprob and prompt fields (checks needing the vocabulary: server/prompts.py).
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = Field(default=None, min_length=1)
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, lt=2**63)
+    truncation_side: Literal["left", "right"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Any:
@@ -84,6 +90,12 @@ class _SamplingBody(StructuredOutputFields, _Body):
                     raise ValueError(f"logit_bias: key {key!r} is not a token id")
                 if not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias: bias {bias} not in [-100, 100]")
+        k = self.prompt_logprobs
+        if k is not None and k < -1:
+            raise ValueError("prompt_logprobs: `prompt_logprobs` must be a positive value or -1.")
+        if k is not None and self.stream and k != 0:  # as vLLM: no prompt logprobs in a stream
+            raise ValueError("prompt_logprobs: `prompt_logprobs` are not available when "
+                             "`stream=True`.")
         return self
 
     def stop_list(self) -> list[str]:
@@ -97,6 +109,7 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM: the last message, if the assistant's, prefixes the answer
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -111,7 +124,8 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[int] = Field(min_length=1)
+    # One prompt (text or token ids) or a batch of them: one choice per prompt and n.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 

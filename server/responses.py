@@ -12,12 +12,13 @@ from typing import Any
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from transformers import PreTrainedTokenizerBase
 
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.request_stream import GenerationDelta, RequestStream, close_all
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
+from pagedserve.server.logprobs_format import LogprobsFormatter
+from pagedserve.server.prompts import PromptInput
 
 log = structlog.get_logger(__name__)
 
@@ -45,77 +46,109 @@ OnDone = Callable[[RequestSummary], None]
 
 @dataclass(slots=True)
 class ResponseBuilder:
-    """Builds the JSON objects of one chat or text completion."""
+    """Builds the JSON objects of one chat or text completion.
+
+    Choice ``i`` answers prompt ``i // n`` (batched completion prompts, vLLM's index order).
+    vLLM's extra fields: completions put ``token_ids``, ``prompt_token_ids`` and
+    ``prompt_logprobs`` on each choice, chat puts ``prompt_token_ids`` and ``prompt_logprobs``
+    on the answer and ``token_ids`` on the choice; a whole answer has them as ``null`` when not
+    asked for, a stream only when asked for.
+    """
 
     request_id: str
     created: int
     model: str
     chat: bool
-    tokenizer: PreTrainedTokenizerBase
-    prompt_token_ids: list[int] | None  # set when the client asked for token ids
-    num_prompt_tokens: int
-    echo: str | None = None
-    _token_text: dict[int, str] = field(default_factory=dict)
+    fmt: LogprobsFormatter
+    prompts: list[PromptInput]
+    n: int = 1
+    return_token_ids: bool = False  # token ids on the choices, prompt ids on the answer
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the output
+    chat_echo: str | None = None  # chat: the last assistant message, prefixed to the answer
+    prompt_logprobs: bool = False  # the client asked for prompt_logprobs
+    want_logprobs: bool = False  # the client asked for logprobs
 
-    def envelope(self, choices: list[dict], chunk: bool, first: bool = False) -> dict:
+    def prompt_of(self, index: int) -> PromptInput:
+        return self.prompts[index // self.n]
+
+    def envelope(self, choices: list[dict], chunk: bool, first: bool = False,
+                 prompt_lps: list[TokenLogprobs] | None = None) -> dict:
         if self.chat:
             obj = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             obj = "text_completion"
         body = {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.model, "choices": choices}
-        if self.prompt_token_ids is not None and (first or not chunk):
-            body["prompt_token_ids"] = self.prompt_token_ids
+        if self.chat and not chunk:
+            body["prompt_logprobs"] = self._prompt_logprobs(0, prompt_lps)
+            body["prompt_token_ids"] = self._prompt_ids(0)
+        elif self.chat and first and self.return_token_ids:
+            body["prompt_token_ids"] = self._prompt_ids(0)
         return body
 
+    def _prompt_ids(self, index: int) -> list[int] | None:
+        return self.prompt_of(index).token_ids if self.return_token_ids else None
+
+    def _prompt_logprobs(self, index: int, lps: list[TokenLogprobs] | None) -> list | None:
+        if not self.prompt_logprobs or lps is None:
+            return None
+        return self.fmt.prompt(self.prompt_of(index).token_ids, lps)
+
     def choice(self, index: int, text: str, finish: str | None, token_ids: list[int],
-               logprobs: list[TokenLogprobs] | None, chunk: bool, offset: int = 0) -> dict:
+               logprobs: list[TokenLogprobs] | None, chunk: bool, offset: int = 0,
+               echo_lps: list[TokenLogprobs | None] | None = None,
+               prompt_lps: list[TokenLogprobs] | None = None, first: bool = False) -> dict:
+        """One choice. ``echo_lps``: completions echoing the prompt with logprobs, the prompt
+        tokens' entries (first ``None``), which come before ``logprobs`` (whose text starts at
+        ``offset``); ``first``: the choice's first chunk (it carries the prompt ids)."""
         if self.chat and chunk:
             c: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {}}
         elif self.chat:
             c = {"index": index, "message": {"role": "assistant", "content": text}}
         else:
             c = {"index": index, "text": text}
-        c["logprobs"] = self.logprobs(token_ids, logprobs, offset) if logprobs else None
+        c["logprobs"] = self._logprobs(index, token_ids, logprobs, offset, echo_lps)
         c["finish_reason"] = finish
-        if self.prompt_token_ids is not None:
-            c["token_ids"] = token_ids
+        if not chunk or self.return_token_ids:
+            c["token_ids"] = token_ids if self.return_token_ids else None
+        if not self.chat and not chunk:
+            c["prompt_logprobs"] = self._prompt_logprobs(index, prompt_lps)
+            c["prompt_token_ids"] = self._prompt_ids(index)
+        elif not self.chat and first and self.return_token_ids:
+            c["prompt_token_ids"] = self._prompt_ids(index)
         return c
 
-    def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.num_prompt_tokens + completion_tokens}
-
-    def _text(self, token_id: int) -> str:
-        if token_id not in self._token_text:
-            self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return self._token_text[token_id]
-
-    def logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict:
-        """Chat: ``{"content": [...]}``; completions: ``tokens/token_logprobs/top_logprobs``."""
+    def _logprobs(self, index: int, token_ids: list[int], lps: list[TokenLogprobs] | None,
+                  offset: int, echo_lps: list[TokenLogprobs | None] | None) -> dict | None:
         if self.chat:
-            content = []
-            for t, lp in zip(token_ids, lps):
-                tok = self._text(t)
-                content.append({
-                    "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
-                    "top_logprobs": [
-                        {"token": self._text(i), "logprob": v,
-                         "bytes": list(self._text(i).encode())}
-                        for i, v in zip(lp.top_ids, lp.top_logprobs)],
-                })
-            return {"content": content}
-        tokens = [self._text(t) for t in token_ids]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        return {
-            "tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self._text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
-                             for lp in lps],
-            "text_offset": offsets,
-        }
+            return self.fmt.chat(token_ids, lps) if lps else None
+        if echo_lps is None:
+            return self.fmt.completion(token_ids, lps, offset) if lps else None
+        prompt = self.fmt.completion(self.prompt_of(index).token_ids, echo_lps, 0)
+        if lps:
+            out = self.fmt.completion(token_ids, lps, offset)
+            for key in prompt:
+                prompt[key].extend(out[key])
+        return prompt
+
+    def echo_logprobs(self, prompt_lps: list[TokenLogprobs] | None,
+                      ) -> list[TokenLogprobs | None] | None:
+        """The echoed prompt's logprob entries (``None`` first), when echoing with logprobs."""
+        if not (self.echo and self.want_logprobs and prompt_lps is not None):
+            return None
+        return [None, *prompt_lps]
+
+    def echo_text(self, index: int) -> str:
+        """What comes before choice ``index``'s output."""
+        if self.chat:
+            return self.chat_echo or ""
+        return self.prompt_of(index).text if self.echo else ""
+
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, GenerationDelta]]:
@@ -162,9 +195,12 @@ class _Tally:
     tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # prefix-cache hits, from the first delta
+    prompt_lps: list[list[TokenLogprobs] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens, self.texts, self.finish = [0] * self.n, [""] * self.n, [None] * self.n
+        self.cached, self.prompt_lps = [0] * self.n, [None] * self.n
 
     def add(self, i: int, d: GenerationDelta) -> None:
         if self.ttft is None and d.token_ids:
@@ -172,6 +208,14 @@ class _Tally:
         self.tokens[i] = d.num_output_tokens
         self.texts[i] += d.text
         self.finish[i] = d.finish_reason
+        if d.num_cached_tokens:
+            self.cached[i] = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_lps[i] = d.prompt_logprobs
+
+    def cached_tokens(self, n: int) -> int:
+        """Prompt tokens the prefix cache held: per prompt, as its first choice found them."""
+        return sum(self.cached[::n])
 
     def summary(self) -> RequestSummary:
         return RequestSummary(sum(self.tokens), self.finish, self.ttft, self.texts)
@@ -180,17 +224,23 @@ class _Tally:
 async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_done: OnDone,
                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
     """SSE ``data:`` payloads. Cancelled by sse-starlette when the client goes away, which
-    closes the streams and so aborts the requests."""
+    closes the streams and so aborts the requests. ``continuous_usage`` (usage on every chunk)
+    takes effect only with ``include_usage``, as in vLLM."""
     n = len(streams)
     tally = _Tally(n)
     pending: list[list[int]] = [[] for _ in range(n)]  # tokens whose text is held back
     pending_lp: list[list[TokenLogprobs]] = [[] for _ in range(n)]
-    usage_field = include_usage or continuous_usage
+    shown = [0] * n  # characters of each choice's text sent so far
+    started = [False] * n  # completions: a choice's first chunk (echo, prompt ids) went out
+    continuous_usage = continuous_usage and include_usage
+
+    def usage() -> dict:
+        return builder.usage(sum(tally.tokens), tally.cached_tokens(builder.n))
 
     def chunk(choices: list[dict], first: bool = False) -> str:
         body = builder.envelope(choices, chunk=True, first=first)
-        if usage_field:
-            body["usage"] = builder.usage(sum(tally.tokens)) if continuous_usage else None
+        if include_usage:
+            body["usage"] = usage() if continuous_usage else None
         return json.dumps(body)
 
     try:
@@ -198,23 +248,30 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
             if builder.chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}], first=i == 0)
-            elif builder.echo is not None:
-                yield chunk([builder.choice(i, builder.echo, None, [], None, chunk=True)],
-                            first=i == 0)
+                if builder.chat_echo:
+                    yield chunk([builder.choice(i, builder.chat_echo, None, [], None, True)])
+                    shown[i] = len(builder.chat_echo)
         async for i, d in merge(streams):
             pending[i].extend(d.token_ids)
             if d.logprobs:
                 pending_lp[i].extend(d.logprobs)
-            offset = len(tally.texts[i])
             tally.add(i, d)
-            if not d.text and d.finish_reason is None:
+            prefix, echo_lps = "", None
+            if not builder.chat and not started[i]:
+                prefix, echo_lps = builder.echo_text(i), builder.echo_logprobs(tally.prompt_lps[i])
+            text = prefix + d.text
+            if not text and d.finish_reason is None:
                 continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-            yield chunk([builder.choice(i, d.text, d.finish_reason, pending[i],
-                                        pending_lp[i] or None, chunk=True, offset=offset)])
+            yield chunk([builder.choice(i, text, d.finish_reason, pending[i],
+                                        pending_lp[i] or None, chunk=True,
+                                        offset=shown[i] + len(prefix), echo_lps=echo_lps,
+                                        first=not started[i])])
+            started[i] = True
+            shown[i] += len(text)
             pending[i], pending_lp[i] = [], []
         if include_usage:
             body = builder.envelope([], chunk=True)
-            body["usage"] = builder.usage(sum(tally.tokens))
+            body["usage"] = usage()
             yield json.dumps(body)
     except Exception as e:  # the stream already started: report in-band, then end it
         status = 503 if isinstance(e, EngineShuttingDown) else 500
@@ -247,11 +304,15 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
         raise OpenAIError(str(e), status=status) from e
     finally:
         close_all(streams)
-    echo = builder.echo or ""
-    choices = [builder.choice(i, echo + tally.texts[i], tally.finish[i], token_ids[i],
-                              lps[i] or None, chunk=False, offset=len(echo)) for i in range(n)]
-    body = builder.envelope(choices, chunk=False)
-    body["usage"] = builder.usage(sum(tally.tokens))
+    choices = []
+    for i in range(n):
+        echo = builder.echo_text(i)
+        choices.append(builder.choice(
+            i, echo + tally.texts[i], tally.finish[i], token_ids[i], lps[i] or None,
+            chunk=False, offset=len(echo), echo_lps=builder.echo_logprobs(tally.prompt_lps[i]),
+            prompt_lps=tally.prompt_lps[i]))
+    body = builder.envelope(choices, chunk=False, prompt_lps=tally.prompt_lps[0])
+    body["usage"] = builder.usage(sum(tally.tokens), tally.cached_tokens(builder.n))
     on_done(tally.summary())
     return body
 

@@ -25,7 +25,15 @@ from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
+from pagedserve.server.logprobs_format import LogprobsFormatter
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
+from pagedserve.server.prompts import (
+    PromptInput,
+    check_logprob_fields,
+    completion_prompts,
+    tokenize,
+    truncate_ids,
+)
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import (
     OnDone,
@@ -82,6 +90,7 @@ class Serving:
             )
         if body.min_tokens > (max_tokens or room):
             raise OpenAIError("min_tokens: must not exceed max_tokens", param="min_tokens")
+        check_logprob_fields(body, self.vocab_size, logprobs)
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         if any(not 0 <= t < self.vocab_size for t in bias):
             raise OpenAIError(f"logit_bias: token ids must be in [0, {self.vocab_size})",
@@ -95,7 +104,19 @@ class Serving:
             include_stop_str_in_output=body.include_stop_str_in_output,
             stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+            logprob_token_ids=body.logprob_token_ids,
+            prompt_logprobs=self._prompt_logprobs(body, logprobs),
         )
+
+    @staticmethod
+    def _prompt_logprobs(body: _SamplingBody, logprobs: int | None) -> int | None:
+        """How many top alternatives per prompt token the engine computes (``None``: it
+        computes none): as asked (a stream shows none: only 0 is allowed there, so none is
+        computed), or with a completion's ``echo`` and ``logprobs`` that many (vLLM's rule)."""
+        echo = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
+        if body.prompt_logprobs is not None and (echo or not body.stream):
+            return body.prompt_logprobs
+        return logprobs if echo else None
 
     async def _structured_outputs(
         self, body: Any, params: SamplingParams,
@@ -113,22 +134,25 @@ class Serving:
         return grammar
 
     async def _start(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: _SamplingBody,
+        self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], body: _SamplingBody,
         grammar: CompiledConstraint | None,
     ) -> list[RequestStream]:
-        """Queue ``n`` engine requests; all accepted, or none kept and an HTTP error raised."""
+        """Queue ``n`` engine requests per prompt (``jobs``: its ids and parameters), in choice
+        order; all accepted, or none kept and an HTTP error raised."""
         if body.priority != 0 and self.engine.config.scheduler.policy != "priority":
             raise OpenAIError(
                 "priority is only honoured with --scheduling-policy priority", param="priority"
             )
         streams: list[RequestStream] = []
         try:
-            for i in range(body.n):
-                child = params if body.n == 1 else replace(
-                    params, seed=None if params.seed is None else params.seed + i)
-                streams.append(await self.engine.add_request(
-                    f"{request_id}-{i}" if body.n > 1 else request_id, prompt_ids, child,
-                    priority=body.priority, cache_salt=body.cache_salt, grammar=grammar))
+            for p, (prompt_ids, params) in enumerate(jobs):
+                base = request_id if len(jobs) == 1 else f"{request_id}-{p}"
+                for i in range(body.n):
+                    child = params if body.n == 1 else replace(
+                        params, seed=None if params.seed is None else params.seed + i)
+                    streams.append(await self.engine.add_request(
+                        f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
+                        priority=body.priority, cache_salt=body.cache_salt, grammar=grammar))
         except EngineOverloaded as e:
             close_all(streams)
             raise OpenAIError(str(e), status=503, headers={"Retry-After": "1"}) from e
@@ -139,14 +163,6 @@ class Serving:
             close_all(streams)
             raise
         return streams
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise OpenAIError(f"prompt: token ids must be in [0, {self.vocab_size})",
-                              param="prompt")
-        return list(prompt)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
@@ -168,35 +184,48 @@ class Serving:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = self.chat_prompt(messages, body.add_generation_prompt,
                                   body.continue_final_message, body.chat_template_kwargs)
-        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = truncate_ids(self.tokenizer.encode(prompt, add_special_tokens=False),
+                                  body.truncate_prompt_tokens, body.truncation_side,
+                                  self.max_model_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)
-        return await self._respond(request, body, prompt, prompt_ids, params, chat=True)
+        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" \
+            else None
+        return await self._respond(request, body, [PromptInput(prompt_ids, prompt)], [params],
+                                   chat=True, echo=echo)
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
         self.check_model(body.model)
-        prompt_ids = self._prompt_ids(body.prompt)
-        params = self._sampling_params(body, len(prompt_ids), body.max_tokens, "prompt",
-                                       body.logprobs)
-        prompt_text = body.prompt if isinstance(body.prompt, str) else (
-            self.tokenizer.decode(prompt_ids))
-        return await self._respond(request, body, prompt_text, prompt_ids, params, chat=False,
-                                   echo=prompt_text if body.echo else None)
+        prompts = [tokenize(p, self.tokenizer, self.vocab_size, body.truncate_prompt_tokens,
+                            body.truncation_side, self.max_model_len)
+                   for p in completion_prompts(body.prompt)]
+        params = [self._sampling_params(body, len(p.token_ids), body.max_tokens, "prompt",
+                                        body.logprobs) for p in prompts]
+        return await self._respond(request, body, prompts, params, chat=False)
 
-    async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
-                       params: SamplingParams, chat: bool, echo: str | None = None):
-        grammar = await self._structured_outputs(body, params)
+    async def _respond(self, request: Request, body: Any, prompts: list[PromptInput],
+                       params: list[SamplingParams], chat: bool, echo: str | None = None):
+        """``prompts`` and their ``params``: one each (chat), or a completion's batch.
+        ``echo``: chat's echoed assistant message."""
+        grammar = await self._structured_outputs(body, params[0])
+        for p in params[1:]:  # a batch's prompts share the one compiled constraint
+            p.structured_outputs = params[0].structured_outputs
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        streams = await self._start(request_id, prompt_ids, params, body, grammar)
+        streams = await self._start(request_id, [(p.token_ids, sp) for p, sp in
+                                                 zip(prompts, params)], body, grammar)
         builder = ResponseBuilder(
             request_id=request_id, created=int(time.time()),
-            model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,
-            prompt_token_ids=prompt_ids if body.return_token_ids else None,
-            num_prompt_tokens=len(prompt_ids), echo=echo,
+            model=self.config.served_model_name, chat=chat,
+            fmt=LogprobsFormatter(self.tokenizer, body.return_tokens_as_token_ids),
+            prompts=prompts, n=body.n, return_token_ids=body.return_token_ids,
+            echo=not chat and body.echo, chat_echo=echo,
+            prompt_logprobs=body.prompt_logprobs is not None,
+            want_logprobs=params[0].logprobs is not None,
         )
-        on_done = self._logger(request_id, prompt, len(prompt_ids))
+        on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
+                               sum(len(p.token_ids) for p in prompts))
         headers = {"X-Request-Id": request_id}
         if body.stream:
             opts = body.stream_options

@@ -156,3 +156,34 @@ def test_openai_n_logprobs_and_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert chunks[-1].usage.total_tokens == (chunks[-1].usage.prompt_tokens
                                              + chunks[-1].usage.completion_tokens)
+
+
+def test_openai_echo_prompt_logprobs_and_batch_equal_transformers(client, default_model_dir):
+    """SmolLM2, greedy: the echoed prompt's logprobs (and vLLM's prompt_logprobs) are
+    transformers' float32 forward pass; a batch of two prompts answers each as alone."""
+    from tests.conftest import _hf_model, hf_tokenizer
+
+    tok = hf_tokenizer(str(default_model_dir))
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0,
+                                  echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, prompt in zip(r.choices, prompts):
+        ids = tok.encode(prompt)
+        out = hf_greedy(default_model_dir, ids, 6)
+        assert c.token_ids == out and c.prompt_token_ids == ids
+        assert c.text == prompt + tok.decode(out)
+        with torch.no_grad():
+            want = _hf_model(str(default_model_dir))(torch.tensor([ids])).logits[0].float()
+        want = want[:-1].log_softmax(-1)
+        got = c.logprobs.token_logprobs[: len(ids)]
+        assert got[0] is None and c.prompt_logprobs[0] is None
+        # Measured: within 1.2e-5 of transformers (the GGUF kernels' float32 sums differ).
+        assert got[1:] == pytest.approx([float(want[j, ids[j + 1]])
+                                         for j in range(len(ids) - 1)], abs=1e-3)
+        for j, entry in enumerate(c.prompt_logprobs[1:]):
+            assert entry[str(ids[j + 1])]["logprob"] == got[j + 1]
+            (best,) = [k for k, v in entry.items() if v["rank"] == 1]
+            assert int(best) == int(want[j].argmax())
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)

@@ -68,3 +68,29 @@ def test_prepare_inputs_flattens_in_batch_order():
     assert step.logits_indices.tolist() == [0, 2, 3, 4, 9]
     assert step.layout == BatchLayout.of(order_batch(_mixed()))
     assert (step.attn.max_query_len, step.attn.max_seq_len) == (3, 10)
+
+
+def test_prompt_logprob_rows_follow_the_sampled_rows():
+    """A chunk that wants prompt logprobs adds its prompt rows after every sampled row (so the
+    sampled ones keep their places); its last row's target is the token after the chunk."""
+    from pagedserve.gpu.prompt_logprobs import PromptLogprobsWanted, split_logits, targets
+
+    dec = _req("dec", [11], 9, [4, 5, 6])
+    mid = _req("mid", [5, 6, 7], 4, [0, 1], sample=False)  # tokens 4..6 of a 10-token prompt
+    mid.num_prompt_tokens, mid.prompt_logprobs = 10, PromptLogprobsWanted(2, 29)
+    end = _req("end", [13, 14, 15], 0, [8])  # a whole 3-token prompt: rows 0 and 1 only
+    end.num_prompt_tokens, end.prompt_logprobs = 3, PromptLogprobsWanted(0, None)
+    reqs = order_batch([mid, dec, end])
+    assert targets(mid) == [6, 7, 29] and targets(end) == [14, 15]
+    inputs = prepare_inputs(reqs, 4, torch.device("cpu"))
+    # dec samples at row 0, end at row 6; then mid's rows 1..3 and end's rows 4, 5.
+    assert inputs.logits_indices.tolist() == [0, 6, 1, 2, 3, 4, 5]
+    logits = torch.randn(7, 32)
+    sampled, chunks = split_logits(logits, reqs, num_sample_rows=2)
+    assert torch.equal(sampled, logits[:2])
+    assert chunks["mid"].start == 5 and len(chunks["mid"].entries) == 3
+    lp = logits[2].log_softmax(-1)
+    first = chunks["mid"].entries[0]
+    assert first.logprob == pytest.approx(float(lp[6]))
+    assert first.top_ids == lp.topk(2).indices.tolist()
+    assert chunks["end"].start == 1 and [e.top_ids for e in chunks["end"].entries] == [[], []]

@@ -17,6 +17,7 @@ from tests.conftest import (
     chat,
     chat_prompt_ids,
     hf_greedy,
+    hf_tokenizer,
     serve,
     stats,
     until_stats,
@@ -102,8 +103,10 @@ async def test_n_choices_share_prompt_blocks(client, tiny_model_dir):
     n_prompt = len(chat_prompt_ids(tiny_model_dir, long))
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert hits >= 2 * ((n_prompt - 1) // 16 * 16)  # choices 1 and 2 reuse choice 0's blocks
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 24,
-                             "total_tokens": n_prompt + 24}
+    usage = dict(body["usage"])
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] % 16 == 0  # whole blocks
+    assert usage == {"prompt_tokens": n_prompt, "completion_tokens": 24,
+                     "total_tokens": n_prompt + 24}
     again = await chat(client, long, n=3, temperature=1.0, seed=11, max_tokens=8,
                        ignore_eos=True)
     ids = [c["token_ids"] for c in body["choices"]]
@@ -150,9 +153,13 @@ async def test_completion_logprobs_echo_and_token_prompt(client, tiny_model_dir)
                    temperature=0, echo=True, ignore_eos=True)
     c = r.json()["choices"][0]
     assert c["text"].startswith("Once upon")
-    lp = c["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
-    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    lp = c["logprobs"]  # echo: the prompt's tokens first, the first one without a logprob
+    n_prompt = len(hf_tokenizer(str(tiny_model_dir)).encode("Once upon"))
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == (
+        n_prompt + 3)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == c["text"] and lp["text_offset"][0] == 0
+    assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"][1:])  # the token's own + top 2
     ids = [49, 50, 51, 52]
     by_ids = await post(client, "/v1/completions", prompt=ids, max_tokens=5, temperature=0,
                         return_token_ids=True)

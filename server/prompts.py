@@ -1,0 +1,103 @@
+"""Prompts as the engine takes them: batched completion prompts, truncation, and the checks of
+the logprob fields that need the vocabulary (vLLM's ``vllm/v1/engine/processor.py``
+``_validate_logprobs`` and its renderer's truncation).
+
+A completion's ``prompt`` is a string, a list of token ids, a list of strings or a list of
+token-id lists; each prompt of a batch is one engine request per ``n`` (choice index
+``prompt_index * n + i``, as vLLM and OpenAI index them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from pagedserve.server.errors import OpenAIError
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; `logprobs` and `prompt_logprobs` both
+
+
+@dataclass(slots=True)
+class PromptInput:
+    """One prompt of a request.
+
+    Attributes:
+        token_ids: what the engine computes (after truncation).
+        text: the prompt's text (echoed, logged): as given, or decoded from the ids.
+    """
+
+    token_ids: list[int]
+    text: str
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """The batch of a completion's ``prompt`` field (one entry when it is a single prompt)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+             truncate: int | None, side: str | None, max_model_len: int) -> PromptInput:
+    """Token ids (checked against the vocabulary) and text of one prompt, truncated to
+    ``truncate`` tokens when set. Raises ``OpenAIError`` (400)."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise OpenAIError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+        ids = list(prompt)
+    if not ids:
+        raise OpenAIError("Either prompt or prompt_embeds must be provided and non-empty.",
+                          param="prompt")
+    cut = truncate_ids(ids, truncate, side, max_model_len)
+    if isinstance(prompt, str) and len(cut) == len(ids):
+        return PromptInput(cut, prompt)
+    return PromptInput(cut, tokenizer.decode(cut))
+
+
+def truncate_ids(ids: list[int], truncate: int | None, side: str | None,
+                 max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep ``truncate`` tokens (-1: ``max_model_len``),
+    the last ones (``side`` ``left``, the default) or the first ones (``right``).
+    Raises ``OpenAIError`` for a size over ``max_model_len`` or 0."""
+    if truncate is None:
+        return ids
+    if truncate == -1:
+        truncate = max_model_len
+    if truncate > max_model_len:
+        raise OpenAIError(
+            f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len "
+            f"({max_model_len}). Please, select a smaller truncation size.",
+            param="truncate_prompt_tokens")
+    if truncate == 0:
+        raise OpenAIError("truncate_prompt_tokens: 0 leaves an empty prompt; give at least 1",
+                          param="truncate_prompt_tokens")
+    if len(ids) <= truncate:
+        return ids
+    return ids[:truncate] if side == "right" else ids[-truncate:]
+
+
+def check_logprob_fields(body: Any, vocab_size: int, logprobs: int | None) -> None:
+    """``prompt_logprobs`` (-1 means the whole vocabulary, which is over the cap: a 400 as in
+    vLLM) and ``logprob_token_ids`` (need ``logprobs``; ids in the vocabulary).
+    Raises ``OpenAIError`` (400)."""
+    k = body.prompt_logprobs
+    if k is not None:
+        asked = vocab_size if k == -1 else k
+        if asked > MAX_LOGPROBS:
+            raise OpenAIError(f"Requested prompt logprobs of {asked}, which is greater than "
+                              f"max allowed: {MAX_LOGPROBS}", param="prompt_logprobs")
+    ids = body.logprob_token_ids
+    if ids is not None:
+        if logprobs is None:
+            raise OpenAIError("when using `logprob_token_ids`, `logprobs` must be set.",
+                              param="logprob_token_ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"logprob_token_ids: token id {bad[0]} is out of vocabulary "
+                              f"(vocab size {vocab_size})", param="logprob_token_ids")
