@@ -28,7 +28,7 @@ from pagedserve.actors.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.actors.request import Request, RequestOutput
-from pagedserve.actors.stats import RequestUpdate, StatLogger
+from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StatLogger
 from pagedserve.gpu.sampler import TokenLogprobs
 
 
@@ -67,11 +67,13 @@ class RequestMetrics:
     """Reports one request's tokens (TTFT, then inter-token latency) and its end, as the
     client sees them, to the engine's stat loggers (the server's Prometheus metrics)."""
 
-    __slots__ = ("loggers", "last_token_time")
+    __slots__ = ("loggers", "first_token_time", "last_token_time", "num_tokens")
 
     def __init__(self, loggers: list[StatLogger]):
         self.loggers = loggers
+        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.num_tokens = 0
 
     def tokens(self, request: Request, n: int) -> None:
         if not self.loggers or not n:
@@ -80,15 +82,34 @@ class RequestMetrics:
         if self.last_token_time is None:
             update = RequestUpdate(request.num_prompt_tokens, n,
                                    ttft_s=now - request.arrival_time)
+            self.first_token_time = now
         else:
             update = RequestUpdate(0, n, itl_s=now - self.last_token_time)
         self.last_token_time = now
+        self.num_tokens += n
         self._send(update)
 
     def finished(self, request: Request, finish: str | None) -> None:
         if self.loggers:  # no finish reason here means the client went away
             self._send(RequestUpdate(finish_reason=finish or "abort",
-                                     e2e_s=time.monotonic() - request.arrival_time))
+                                     e2e_s=time.monotonic() - request.arrival_time,
+                                     finished=self._summary(request)))
+
+    def _summary(self, request: Request) -> FinishedRequest:
+        """The phases as vLLM splits them: queued → scheduled → first token → last token."""
+        cap = request.sampling_params.max_tokens  # None: up to the context, unknown here
+        out = FinishedRequest(request.num_prompt_tokens, self.num_tokens,
+                              self.num_tokens if cap is None else cap)
+        first, last = self.first_token_time, self.last_token_time
+        scheduled = request.scheduled_time
+        if first is None or last is None:
+            return out
+        if scheduled is not None:
+            out.prefill_s, out.inference_s = first - scheduled, last - scheduled
+        out.decode_s = last - first
+        if self.num_tokens > 1:
+            out.time_per_output_token_s = out.decode_s / (self.num_tokens - 1)
+        return out
 
     def _send(self, update: RequestUpdate) -> None:
         for logger in self.loggers:

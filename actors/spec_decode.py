@@ -20,59 +20,12 @@ request keeps, and is overwritten by the next step: rollback costs nothing.
 
 from __future__ import annotations
 
-import json
 from array import array
-from dataclasses import dataclass
 
 from pagedserve.actors.request import Request
+from pagedserve.actors.spec_config import SpeculativeConfig, parse_speculative_config  # noqa: F401
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class SpeculativeConfig:
-    """``--speculative-config``, vLLM's JSON keys.
-
-    Attributes:
-        method: only ``ngram``.
-        num_speculative_tokens: drafts per step and request at most (k).
-        prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram matched.
-        disable_by_batch_size: no drafts while more requests than this run (a large batch is
-            compute-bound already, and the drafts would only add work); ``None`` = never.
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
-    disable_by_batch_size: int | None = None
-
-
-def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """Parse ``--speculative-config``. Raises ``ValueError`` with what is wrong."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    known = set(SpeculativeConfig.__slots__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
-    config = SpeculativeConfig(**raw)
-    if config.method != "ngram":
-        raise ValueError(f"--speculative-config: method {config.method!r} is not supported "
-                         "(only 'ngram')")
-    ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-    if not all(isinstance(getattr(config, k), int) and getattr(config, k) >= 1 for k in ints):
-        raise ValueError(f"--speculative-config: {', '.join(ints)} must be integers >= 1")
-    if config.prompt_lookup_min > config.prompt_lookup_max:
-        raise ValueError("--speculative-config: prompt_lookup_min > prompt_lookup_max")
-    limit = config.disable_by_batch_size
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError("--speculative-config: disable_by_batch_size must be an integer >= 1")
-    return config
 
 
 def can_speculate(params: SamplingParams, wants_grammar: bool) -> bool:

@@ -72,6 +72,8 @@ class RequestUpdate:
         finish_reason: ``stop``, ``length``, ``abort`` (client gone) or ``error`` on the last
             update, else ``None``.
         e2e_s: arrival → end, on the last update.
+        finished: the whole request's figures, on the last update (vLLM's per-request
+            histograms).
     """
 
     num_prompt_tokens: int = 0
@@ -80,6 +82,30 @@ class RequestUpdate:
     itl_s: float | None = None
     finish_reason: str | None = None
     e2e_s: float | None = None
+    finished: FinishedRequest | None = None
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """One ended request, as vLLM's ``FinishedRequestStats`` (``vllm/v1/metrics/stats.py``).
+
+    Attributes:
+        num_prompt_tokens, num_generation_tokens: its prompt and output lengths.
+        max_tokens: the output cap it ran under (``max_tokens``; without one, its output length).
+        prefill_s: first scheduled → first token; ``None`` without a token.
+        decode_s: first token → last token; ``None`` without a token.
+        inference_s: first scheduled → last token; ``None`` if never scheduled or no token.
+        time_per_output_token_s: ``decode_s`` over the tokens after the first; ``None`` for
+            fewer than two tokens.
+    """
+
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    inference_s: float | None = None
+    time_per_output_token_s: float | None = None
 
 
 class StatLogger(Protocol):

@@ -58,6 +58,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.actors.request import RequestStatus
+from pagedserve.actors.structured_output_config import StructuredOutputConfig  # noqa: F401
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampling_params import StructuredOutputsParams
 
@@ -90,24 +91,6 @@ MAX_JSON_WHITESPACE = 16
 class GrammarError(ValueError):
     """The constraint cannot be compiled (bad schema, unsupported keyword, malformed regex or
     grammar, or a compile over the time limit). The message says which and why."""
-
-
-@dataclass(slots=True)
-class StructuredOutputConfig:
-    """Attributes:
-    compile_timeout_s: longest a request waits for its grammar to compile before a 400 (the
-        ``--structured-output-compile-timeout`` flag; its ``help`` metadata makes it one).
-    cache_size: compiled grammars kept (LRU).
-    num_compile_threads: threads compiling grammars (and xgrammar's threads per compile).
-    """
-
-    compile_timeout_s: float = field(default=5.0, metadata={
-        "help": "seconds a guided-decoding grammar may take to compile before the request "
-                "gets a 400",
-        "flag": "--structured-output-compile-timeout",
-    })
-    cache_size: int = 256
-    num_compile_threads: int = 2
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int]) -> list[int]:

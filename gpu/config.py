@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The name the embedded default model is served under (here, not in the loader, so that the
+# CLI can show it without importing torch).
+EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # 2 GiB: ~2,900 blocks of SmolLM2-135M in float32
 
 
@@ -33,7 +36,8 @@ class ModelConfig:
     })
     seed: int = field(default=0, metadata={"help": "global seed for requests without their own"})
     max_model_len: int | None = field(default=None, metadata={
-        "help": "context length in tokens (prompt + output)", "default_text": "the model's",
+        "help": "context length in tokens (prompt + output); 4k = 4000, 4K = 4096",
+        "human_int": True, "default_text": "the model's",
     })
     device: str | None = field(default=None, metadata={
         "help": "device", "choices": ("cpu", "cuda"), "default_text": "CUDA when present",

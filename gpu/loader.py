@@ -22,10 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
+
 log = structlog.get_logger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 

@@ -44,9 +44,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
-                 api_key: str | None) -> list[BaseRoute]:
+                 api_key: str | None, metrics_prefix: str = "pagedserve") -> list[BaseRoute]:
     """The routes; registers the Prometheus stat logger with ``engine``."""
-    metrics = PrometheusStatLogger(model_name)
+    metrics = PrometheusStatLogger(model_name, metrics_prefix, engine.effective_config()["cache"],
+                                   engine.info.max_model_len)
     engine.add_stat_logger(metrics)
     guard = _bearer_guard(admin_key or api_key)
 

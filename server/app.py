@@ -17,12 +17,13 @@ from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.admin import admin_routes
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body
-from pagedserve.server.middleware import RequestGuard
+from pagedserve.server.middleware import RequestGuard, ServerLoad
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses_api import ResponsesServing
 from pagedserve.server.responses_store import ResponseStore
 from pagedserve.server.serving import Serving, ServingConfig
+from pagedserve.server.vllm_routes import doc_routes, vllm_routes
 
 log = structlog.get_logger(__name__)
 
@@ -37,9 +38,11 @@ def _version() -> str:
 
 
 def build_app(engine: AsyncEngine, config: ServingConfig,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> RequestGuard:
-    """The ASGI app: routes behind the guard (``config.api_key``, body limit)."""
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              access_log: bool = True) -> RequestGuard:
+    """The ASGI app: routes behind the guard (``config.api_key``, body limit, access log)."""
     serving = Serving(engine, config)
+    load = ServerLoad(config.enable_server_load_tracking)
 
     async def version_route(request: Request) -> JSONResponse:
         return JSONResponse({"version": _version()})
@@ -59,10 +62,14 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         Route("/version", version_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key),
+        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key,
+                      config.metrics_prefix),
+        *vllm_routes(serving.chat, serving.completion, load),
     ]
+    routes += doc_routes(routes, _version())
     app = Starlette(routes=routes, exception_handlers=_exception_handlers())
-    return RequestGuard(app, config.api_key, max_request_body_bytes)
+    return RequestGuard(app, config.api_key, max_request_body_bytes, access_log=access_log,
+                        load=load)
 
 
 def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:

@@ -1,9 +1,15 @@
-"""``pagedserve serve [MODEL]``: flags named as ``vllm serve``'s, served by Hypercorn."""
+"""``pagedserve serve [MODEL]``: flags named as ``vllm serve``'s, served by Hypercorn.
+
+Nothing heavy is imported before the command line is parsed: ``--help``, ``--version`` and usage
+errors answer without loading torch or transformers. vLLM's own flags that pagedserve lacks are
+accepted with a warning or refused with a reason (``server/vllm_flags.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import ipaddress
 import logging
 import os
@@ -22,24 +28,65 @@ try:
 except ValueError:
     pass  # a bad PAGEDSERVE_CPU_ISA is refused, with its message, when the kernels load
 
+from importlib.metadata import PackageNotFoundError, version
+
 import structlog
 
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.gpu.loader import ModelLoadError
+from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
 
 log = structlog.get_logger("pagedserve")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """``pagedserve serve``: the positional MODEL, then every config's flags (``engine_args``)."""
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.replace("``", "`"))
+def package_version() -> str:
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+class ServeParser(argparse.ArgumentParser):
+    """The top-level parser; ``parse_args`` reports a ``serve`` command line's unknown
+    arguments under ``serve``'s usage (not the top level's), with the closest flag."""
+
+    serve: argparse.ArgumentParser
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv[:1] == ["serve"]:  # before argparse's "invalid choice", which says no more
+            vllm_flags.check_quantization(self.serve, argv)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            target = self.serve if getattr(parsed, "command", None) == "serve" else self
+            target.error(_unknown_message(target, extras))
+        return parsed
+
+
+def _unknown_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    known = [o for a in parser._actions for o in a.option_strings]  # noqa: SLF001
+    for flag in (e.split("=")[0] for e in extras if e.startswith("-")):
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+        if close:
+            return f"{message} (did you mean {close[0]}?)"
+    return message
+
+
+def build_parser() -> ServeParser:
+    """``pagedserve serve``: the positional MODEL, then every config's flags (``engine_args``),
+    then vLLM's flags that pagedserve lacks (hidden; named in the epilog)."""
+    doc = __doc__.split("\n\n")[0].replace("``", "`")
+    parser = ServeParser(prog="pagedserve", description=doc)
+    parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API",
+                       epilog=vllm_flags.epilog())
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model to serve, as --model")
     add_serve_flags(s)
+    vllm_flags.add_vllm_flags(s)
+    parser.serve = s
     return parser
 
 
@@ -75,10 +122,15 @@ def _read_template(value: str | None) -> str | None:
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
+    from pagedserve.actors.engine import AsyncEngine
     from pagedserve.server.app import build_app
     from pagedserve.server.launch import hypercorn_config
 
     server = from_args(ServerConfig, args)
+    if args.vllm_ignored:
+        log.warning("vllm_flags_ignored", flags=args.vllm_ignored,
+                    hint="vLLM flags that change nothing here (pagedserve serve --help names "
+                         "them)")
     if args.api_key is None and not _is_loopback(server.host):
         log.warning("no_api_key_on_public_address", host=server.host,
                     hint="anyone who reaches this address can use the server: set --api-key")
@@ -87,7 +139,8 @@ async def serve(args: argparse.Namespace) -> None:
     served = args.served_model_name or engine.info.served_name
     serving = from_args(ServingConfig, args, served_model_name=served,
                         chat_template=_read_template(args.chat_template))
-    app = build_app(engine, serving, server.max_request_body_bytes)
+    app = build_app(engine, serving, server.max_request_body_bytes,
+                    access_log=not server.disable_access_log)
     config = hypercorn_config(server.host, server.port)
     stop = asyncio.Event()
 
@@ -117,6 +170,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    from pagedserve.gpu.loader import ModelLoadError  # after parsing: it imports torch
+
     try:
         asyncio.run(serve(args))
     except (ModelLoadError, ValueError, OSError) as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.gpu.loader import EMBEDDED_SERVED_NAME
+from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
@@ -37,6 +37,14 @@ class ServingConfig:
         "env": "PAGEDSERVE_API_KEY",
         "default_text": "$PAGEDSERVE_API_KEY, else none",
     })
+    enable_server_load_tracking: bool = field(default=False, metadata={
+        "help": "count generation requests in flight for GET /load (else it shows 0)",
+    })
+    metrics_prefix: str = field(default="pagedserve", metadata={
+        "help": "prefix of /metrics names (`vllm` serves vLLM's names, `vllm:NAME`, for its "
+                "dashboards)",
+        "choices": ("pagedserve", "vllm"),
+    })
     admin_key: str | None = field(default=None, metadata={
         "help": "bearer key for /admin/stats, /admin/events and /metrics; unset = the API key, "
                 "if any, else open",
@@ -60,6 +68,10 @@ class ServerConfig:
     })
     shutdown_timeout: float = field(default=10.0, metadata={
         "help": "seconds running requests may take to finish after SIGTERM",
+    })
+    disable_access_log: bool = field(default=False, metadata={
+        "help": "no `access` log line per request (method, path, status, duration, request id)",
+        "aliases": ("--disable-uvicorn-access-log",),
     })
     log_level: str = field(default="info", metadata={
         "help": "log level", "choices": ("debug", "info", "warning", "error"),

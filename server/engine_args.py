@@ -15,6 +15,10 @@ not be turned off). Other metadata keys:
     the values accepted.
 ``parse``
     ``str -> value``; a ``ValueError`` it raises is the usage error's message.
+``human_int``
+    the value may carry vLLM's suffixes (``human_readable_int`` in ``vllm/engine/arg_utils.py``):
+    ``k``/``m``/``g``/``t`` multiply by powers of 1000 (``25.6k`` = 25600), ``K``/``M``/``G``/``T``
+    by powers of 1024 (``4K`` = 4096, whole numbers only).
 ``env``
     an environment variable whose value, when set, is the default (read when the parser is
     built).
@@ -29,17 +33,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import EngineConfig
-from pagedserve.actors.structured_output import StructuredOutputConfig
+from pagedserve.actors.structured_output_config import StructuredOutputConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
+
+if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not wait for it
+    from pagedserve.actors.engine import EngineConfig
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
@@ -109,6 +116,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                                 else "store_true")
         elif "parse" in meta:
             kwargs["type"] = _usage_errors(meta["parse"])
+        elif meta.get("human_int"):
+            kwargs["type"] = _usage_errors(human_readable_int)
         elif flag.type in (int, float):
             kwargs["type"] = flag.type
         if "choices" in meta:
@@ -131,6 +140,29 @@ def _usage_errors(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_flag
 
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def human_readable_int(text: str) -> int:
+    """``4k`` → 4000, ``25.6k`` → 25600, ``4K`` → 4096, ``131072`` → 131072 (vLLM's rules).
+
+    Raises:
+        ValueError: not a number, or a fraction with a binary suffix.
+    """
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"invalid integer {text!r} (suffixes: k/m/g/t = 1000s, K/M/G/T = 1024s)")
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ValueError(f"{text!r}: a fraction needs a decimal suffix (k/m/g/t), "
+                         f"e.g. {number}{suffix.lower()}")
+    return int(number) * _BINARY.get(suffix, 1)
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """Every flag of every config in ``FLAG_CONFIGS``."""
     for cls in FLAG_CONFIGS:
@@ -146,6 +178,8 @@ def from_args(cls: type[C], args: argparse.Namespace, **resolved: Any) -> C:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's settings from parsed ``serve`` flags (``--model`` wins over MODEL)."""
+    from pagedserve.actors.engine import EngineConfig
+
     return EngineConfig(
         model=from_args(ModelConfig, args, model=args.model or args.model_tag),
         cache=from_args(CacheConfig, args),

@@ -1,25 +1,46 @@
-"""ASGI guard in front of the app: API key, request-body size limit, content type.
+"""ASGI guard in front of the app: access log, API key, request-body size limit, content type,
+and the count of generation requests in flight (``/load``).
 
 Pure ASGI (not Starlette middleware) so an oversized body is refused from its
 ``Content-Length`` before a byte of it is read, and a chunked one as soon as it passes the
-limit.
+limit; and so that every request, the ones the guard itself refuses (401, 413, 415, 503)
+included, gets one ``access`` log line when it ends: method, path, status, duration and the
+request id, never a body (vLLM leaves this to uvicorn's access log).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from pagedserve.server.errors import OpenAIError, error_body
+
+log = structlog.get_logger("pagedserve.access")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
-OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics",
+                        "/ping", "/load", "/openapi.json", "/docs"})
+# The routes that run the model, counted by ``ServerLoad`` (vLLM's ``load_aware_call`` routes).
+LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
+
+
+@dataclass(slots=True)
+class ServerLoad:
+    """Requests to ``LOAD_PATHS`` from arrival until their last byte is sent (a stream counts
+    until it ends), when ``enabled`` (``--enable-server-load-tracking``); ``/load`` shows it."""
+
+    enabled: bool = False
+    value: int = 0
 
 
 class RequestGuard:
@@ -33,8 +54,11 @@ class RequestGuard:
     """
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
-                 open_paths: frozenset[str] = OPEN_PATHS):
+                 open_paths: frozenset[str] = OPEN_PATHS, access_log: bool = True,
+                 load: ServerLoad | None = None):
         self.app = app
+        self.access_log = access_log
+        self.load = load or ServerLoad()
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.open_paths = open_paths
@@ -43,6 +67,31 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        counted = self.load.enabled and scope["path"] in LOAD_PATHS
+        if not (self.access_log or counted):
+            return await self._guarded(scope, receive, send)
+        start = time.monotonic()
+        seen: dict[str, Any] = {"status": None, "request_id": None}
+
+        async def watched(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                for k, v in message.get("headers", []):
+                    if k.lower() == b"x-request-id":
+                        seen["request_id"] = v.decode("latin-1")
+            await send(message)
+
+        if counted:
+            self.load.value += 1
+        try:
+            await self._guarded(scope, receive, watched)
+        finally:
+            if counted:
+                self.load.value -= 1
+            if self.access_log:
+                _log_access(scope, seen, start)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.draining:
             return await _reply(send, 503, "server is shutting down", {"retry-after": "1"})
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
@@ -80,6 +129,19 @@ class RequestGuard:
             return message
 
         return wrapped
+
+
+def _log_access(scope: Scope, seen: dict[str, Any], start: float) -> None:
+    """One line per request; ``status`` is ``None`` when the client left before any reply."""
+    client = scope.get("client")
+    request_id = seen["request_id"]
+    if request_id is None:
+        for k, v in scope.get("headers", []):
+            if k.lower() == b"x-request-id":
+                request_id = v.decode("latin-1")
+    log.info("access", method=scope["method"], path=scope["path"], status=seen["status"],
+             duration_ms=round((time.monotonic() - start) * 1000, 1), request_id=request_id,
+             client=f"{client[0]}:{client[1]}" if client else None)
 
 
 async def _reply(send: Send, status: int, message: str,

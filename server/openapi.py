@@ -1,0 +1,106 @@
+"""``GET /openapi.json`` and ``GET /docs``: the API described from the routes and the pydantic
+protocol models, so the description cannot drift from what is validated.
+
+vLLM gets both from FastAPI; here the request schemas are pydantic's own
+(``models_json_schema``, JSON Schema 2020-12 as OpenAPI 3.1 takes it) and the routes are read
+from the Starlette route table. ``/docs`` is one static HTML page (no script, no CDN) listing
+the routes and linking each request schema to its JSON.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Iterable
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.routing import BaseRoute, Route
+
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+# The body each POST route validates (``/invocations`` takes either generation body).
+REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/chat/completions": (ChatCompletionRequest,),
+    "/v1/completions": (CompletionRequest,),
+    "/invocations": (ChatCompletionRequest, CompletionRequest),
+    "/tokenize": (TokenizeRequest,),
+    "/detokenize": (DetokenizeRequest,),
+}
+_REF = "#/components/schemas/{model}"
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
+}
+
+
+def openapi_spec(routes: Iterable[BaseRoute], title: str, version: str) -> dict:
+    """An OpenAPI 3.1 document for ``routes`` (``Route``s only; mounts are static files)."""
+    models = sorted({m for ms in REQUEST_BODIES.values() for m in ms}, key=lambda m: m.__name__)
+    refs, schema = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
+    components = dict(schema.get("$defs", {}))
+    components["ErrorResponse"] = _ERROR
+    paths: dict[str, dict] = {}
+    for route in routes:
+        if not isinstance(route, Route):
+            continue
+        path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)  # {model:path} -> {model}
+        for method in sorted((route.methods or set()) - {"HEAD"}):
+            paths.setdefault(path, {})[method.lower()] = _operation(
+                route, method, [refs[(m, "validation")] for m in REQUEST_BODIES.get(
+                    route.path, ()) if method == "POST"])
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version},
+            "paths": paths, "components": {"schemas": components}}
+
+
+def _operation(route: Route, method: str, bodies: list[dict]) -> dict:
+    doc = (route.endpoint.__doc__ or "").strip().split("\n")[0]
+    op: dict = {"operationId": f"{method.lower()}_{route.name}",
+                "summary": doc or route.path,
+                "responses": {"200": {"description": "OK"},
+                              "4XX": {"description": "OpenAI error object", "content": {
+                                  "application/json": {"schema": {
+                                      "$ref": _REF.format(model="ErrorResponse")}}}}}}
+    params = [p for p in route.param_convertors]
+    if params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True,
+                             "schema": {"type": "string"}} for p in params]
+    if bodies:
+        schema = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        op["requestBody"] = {"required": True,
+                             "content": {"application/json": {"schema": schema}}}
+    return op
+
+
+def docs_page(spec: dict) -> str:
+    """``/docs``: the routes, each with its summary and request schema, as plain HTML."""
+    rows = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            refs = [s["$ref"] for s in body.get("schema", {}).get("anyOf", [body.get("schema")])
+                    if s]
+            names = ", ".join(f'<a href="#{html.escape(r.rsplit("/", 1)[1])}">'
+                              f'{html.escape(r.rsplit("/", 1)[1])}</a>' for r in refs)
+            rows.append(f"<tr><td><code>{method.upper()}</code></td>"
+                        f"<td><code>{html.escape(path)}</code></td>"
+                        f"<td>{html.escape(op['summary'])}</td><td>{names}</td></tr>")
+    schemas = "".join(
+        f'<h3 id="{html.escape(name)}">{html.escape(name)}</h3>'
+        f"<pre>{html.escape(json.dumps(s, indent=2, ensure_ascii=False))}</pre>"
+        for name, s in spec["components"]["schemas"].items())
+    title = html.escape(f"{spec['info']['title']} {spec['info']['version']}")
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title} API</title>"
+            "</head><body>"
+            f"<h1>{title} API</h1><p>Machine-readable: <a href=\"/openapi.json\">"
+            "/openapi.json</a> (OpenAPI 3.1).</p><table border=\"1\" cellpadding=\"4\">"
+            "<tr><th>method</th><th>path</th><th>what</th><th>request body</th></tr>"
+            f"{''.join(rows)}</table><h2>Schemas</h2>{schemas}</body></html>")
