@@ -6,12 +6,33 @@ builds the flags from these fields: name, default, type, help), so its default l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
 EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # 2 GiB: ~2,900 blocks of SmolLM2-135M in float32
+# vLLM's CPU budget, in GiB (``vllm/envs.py``); here too when --kv-cache-memory-bytes is not given.
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def default_cpu_kv_cache_bytes() -> int:
+    """``$VLLM_CPU_KVCACHE_SPACE`` GiB (fractions allowed) when set, else 2 GiB.
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    text = os.environ.get(CPU_KV_CACHE_ENV)
+    if not text:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{CPU_KV_CACHE_ENV}={text!r}: expected a positive number of GiB")
+    return int(gib * 1024**3)
 
 
 @dataclass(slots=True)
@@ -55,8 +76,11 @@ class CacheConfig:
         "help": "tokens per KV block", "choices": (8, 16, 32, 64, 128),
     })
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
-        "help": "KV cache budget in bytes (on CUDA too, in place of --gpu-memory-utilization)",
-        "default_text": f"{DEFAULT_CPU_KV_CACHE_BYTES / 1024**3:g} GiB on the CPU",
+        "help": "KV cache budget in bytes, e.g. 4G (on CUDA too, in place of "
+                "--gpu-memory-utilization); on the CPU pages become resident as blocks are used",
+        "human_int": True,
+        "default_text": f"${CPU_KV_CACHE_ENV} GiB, else "
+                        f"{DEFAULT_CPU_KV_CACHE_BYTES / 1024**3:g} GiB on the CPU",
     })
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "share of GPU memory the engine may use (CUDA)",

@@ -43,6 +43,8 @@ _LAYER_TENSORS = {
 _PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
 # Where load_blocks caches a file's blocks; the version changes with what read_blocks returns.
 BLOCKS_CACHE = "gguf_blocks-v1.safetensors"
+# A bfloat16 model's batches of more rows than this go to the de-quantized copy (oneDNN).
+BF16_MAX_KERNEL_ROWS = 4
 # llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -61,7 +63,8 @@ class GGUFLinear(nn.Module):
     kernels do them several times faster than our float32 ones (``loadtest/RESULTS.md``).
 
     Args:
-        dense: the loaded ``nn.Linear`` (its bias is used on both paths).
+        dense: the loaded ``nn.Linear``: its bias is used on both paths; its weight is kept
+            only where it serves large batches (bfloat16).
         qweight: ``[out, in / 32 * block_bytes]`` uint8, rows in transformers' order.
         qtype: GGML type id (``gguf_ops.GGUF_BLOCK_BYTES``).
 
@@ -71,19 +74,24 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, dense: nn.Linear, qweight: torch.Tensor, qtype: int):
         super().__init__()
-        self.dense = dense
         # Against float32 ``F.linear`` our kernel is faster at few rows and even at 512
-        # (``loadtest/bench_gguf_linear.py``, RESULTS.md): a float32 model never goes dense.
-        self.max_rows = sys.maxsize if dense.weight.dtype == torch.float32 else 4
+        # (``loadtest/bench_gguf_linear.py``, RESULTS.md): a float32 model never goes dense, so
+        # its de-quantized weight is not kept (one copy of the weights: the blocks; 0.43 GB of
+        # SmolLM2-135M's float32 linears freed). A bfloat16 model keeps it: above 4 rows
+        # oneDNN's bfloat16 kernels are several times faster than ours, and dropping it would
+        # slow every prefill and large decode batch.
+        self.max_rows = (sys.maxsize if dense.weight.dtype == torch.float32
+                         else BF16_MAX_KERNEL_ROWS)
+        self.dense = dense if self.max_rows != sys.maxsize else None
+        self.bias = dense.bias
         self.qweight, self.qtype = qweight.contiguous(), qtype
         self.in_features, self.out_features = dense.in_features, dense.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > self.max_rows * self.in_features:
+        if self.dense is not None and x.numel() > self.max_rows * self.in_features:
             return self.dense(x)
         y = gguf_ops.gguf_linear(x, self.qweight, self.qtype)
-        bias = getattr(self.dense, "bias", None)
-        return y if bias is None else y + bias
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"qtype={self.qtype}, max_rows={self.max_rows}"

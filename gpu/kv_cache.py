@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
+from pagedserve.gpu.config import CacheConfig, default_cpu_kv_cache_bytes
+from pagedserve.gpu.memory import lazy_zeros
 
 
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -36,7 +37,7 @@ def num_blocks_for(
 ) -> int:
     """How many blocks the budget holds.
 
-    CPU: ``kv_cache_memory_bytes`` (default 2 GiB). CUDA: ``gpu_memory_utilization`` of the
+    CPU: ``kv_cache_memory_bytes`` (default ``$VLLM_CPU_KVCACHE_SPACE`` GiB, else 2 GiB). CUDA: ``gpu_memory_utilization`` of the
     device's memory, minus what torch holds now (the weights), the peak of the largest step
     (``activation_bytes``, from the runner's profiling pass; a quarter of the weights if not
     profiled) and what others hold (the CUDA context, other processes), as vLLM sizes it.
@@ -54,7 +55,7 @@ def num_blocks_for(
         budget = (int(total * cache.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
                   - activation_bytes - not_torch)
     else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget = default_cpu_kv_cache_bytes()
     return max(budget // per_block, 0)
 
 
@@ -64,10 +65,14 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, ``(key_cache, value_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
 
-    Zero-filled so padded reads in the torch backend never meet NaN garbage.
+    Zero-filled so padded reads in the torch backend never meet NaN garbage. On the CPU the
+    zeros are the kernel's (``memory.lazy_zeros``): a block's pages become resident when it is
+    first written, not at start.
     """
     layers, kv_heads, head_size = kv_shape(config)
     shape = (num_blocks, block_size, kv_heads, head_size)
+    if device.type == "cpu":
+        return [(lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)) for _ in range(layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(layers)

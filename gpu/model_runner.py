@@ -13,7 +13,7 @@ import structlog
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader, prompt_logprobs
+from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader, memory, prompt_logprobs
 from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
 from pagedserve.gpu.config import CacheConfig, ModelConfig
@@ -149,6 +149,8 @@ class ModelRunner:
         resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
         self._size_kv_cache(model_bytes)
+        if self.device.type == "cpu":
+            self._log_memory()
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
@@ -180,6 +182,16 @@ class ModelRunner:
         self.model = model.eval()
         self.eos_token_ids = self._eos_token_ids(resolved.path)
         return model_bytes
+
+    def _log_memory(self) -> None:
+        """What the resident memory is made of, once loading has let go of what it freed."""
+        memory.release_freed_memory()
+        both = self.quantization == "gguf" and self.dtype != torch.float32
+        log.info("memory", **memory.resident_breakdown(self.model, self.kv_caches).as_log(),
+                 weights=("GGUF blocks + a de-quantized copy for batches over "
+                          f"{gguf_linear.BF16_MAX_KERNEL_ROWS} rows (faster there)") if both
+                 else "GGUF blocks" if self.quantization == "gguf" else str(self.dtype),
+                 kv="pages resident as blocks are first written")
 
     def _size_kv_cache(self, model_bytes: int) -> None:
         """As many blocks as the budget holds (on CUDA, after profiling the largest step), then

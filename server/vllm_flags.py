@@ -44,7 +44,6 @@ IGNORED: dict[str, int | str] = {
     "--worker-use-ray": 0,
     "--disable-custom-all-reduce": 0,
     "--disable-async-output-proc": 0,
-    "--uvicorn-access-log": 0,
 }
 
 # flag -> (how many values it takes, what pagedserve does instead).

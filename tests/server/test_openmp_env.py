@@ -18,12 +18,14 @@ PAGEDSERVE = Path(sys.executable).parent / "pagedserve"
 
 
 def _libgomp_settings(**env: str) -> dict[str, str]:
-    """What libgomp read in a fresh ``pagedserve serve --help`` (its imports load torch)."""
+    """What libgomp read in a fresh ``pagedserve serve`` that loads torch, then stops at its
+    model (``--help`` no longer imports torch)."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("OMP_", "GOMP_", "KMP_"))}  # as a user who set none
-    r = subprocess.run([str(PAGEDSERVE), "serve", "--help"], capture_output=True, text=True,
+    r = subprocess.run([str(PAGEDSERVE), "serve", "/nonexistent/absent.gguf"],
+                       capture_output=True, text=True,
                        env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **env}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 1 and "GGUF file not found" in r.stderr, r.stderr[-3000:]
     assert "OPENMP DISPLAY ENVIRONMENT BEGIN" in r.stderr, "torch (libgomp) was not loaded"
     return dict(re.findall(r"^\s+([A-Z_]+) = '([^']*)'", r.stderr, re.MULTILINE))
 
