@@ -12,12 +12,14 @@ from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.actors.beam_group import BeamGroup
     from pagedserve.actors.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # guided; its grammar is still compiling
+    WAITING_FOR_BEAMS = "waiting_for_beams"  # a beam that sampled; its siblings have not yet
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -79,6 +81,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
     scheduled_time: float | None = None  # first time it was in a step (for queue time)
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
+    beam_group: BeamGroup | None = None  # the beam search this request is a beam of
 
     @property
     def all_token_ids(self) -> list[int]:

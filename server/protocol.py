@@ -73,6 +73,10 @@ class _SamplingBody(StructuredOutputFields, _Body):
     priority: int = 0  # vLLM: lower runs earlier; needs --scheduling-policy priority
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache isolation
     return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
+    # Beam search (vLLM's fields; n is the width; server/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
     def _check(self) -> Any:

@@ -23,6 +23,11 @@ from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.beam_search import (
+    beam_search_response,
+    check_beam_search,
+    start_beam_search,
+)
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
@@ -187,9 +192,14 @@ class Serving:
 
     async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
                        params: SamplingParams, chat: bool, echo: str | None = None):
+        if body.use_beam_search:
+            check_beam_search(body)
         grammar = await self._structured_outputs(body, params)
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        streams = await self._start(request_id, prompt_ids, params, body, grammar)
+        if body.use_beam_search:
+            beams = await start_beam_search(self.engine, request_id, prompt_ids, body, params)
+        else:
+            streams = await self._start(request_id, prompt_ids, params, body, grammar)
         builder = ResponseBuilder(
             request_id=request_id, created=int(time.time()),
             model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,
@@ -197,6 +207,9 @@ class Serving:
             num_prompt_tokens=len(prompt_ids), echo=echo,
         )
         on_done = self._logger(request_id, prompt, len(prompt_ids))
+        if body.use_beam_search:  # never streamed, as vLLM
+            return await beam_search_response(request, beams, builder,
+                                              params.skip_special_tokens, on_done)
         headers = {"X-Request-Id": request_id}
         if body.stream:
             opts = body.stream_options
