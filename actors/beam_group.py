@@ -19,8 +19,12 @@ Beams share the prompt's blocks and every common full block for their whole live
 stats' ``num_shared_blocks`` shows it. When the search ends, every beam is finished and the root
 request's queue gets one ``BeamSearchOutput``.
 
-Known limit: a parked beam holds its blocks and is not preempted, so a pool too small for
-``beam_width`` beams at once can stall the search (size the pool for it).
+Out of blocks: a running beam is preempted like any request (recompute; it samples again when
+it is back). When nothing at all can be scheduled, the parked beams' blocks are what the head
+of the queue is waiting for: ``release_parked`` frees them (their results are kept), and a beam
+without K/V goes on through the waiting queue, its full blocks usually still prefix-cached. So
+a pool that holds one sequence of ``max_model_len`` always finishes a search, slowly if it
+cannot hold all its beams at once.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.actors.request import Request, RequestOutput, RequestStatus
+from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampler import TokenLogprobs
 
@@ -75,15 +80,18 @@ class BeamScheduler:
         finish: the scheduler's ``_finish`` (frees a request's blocks, forgets it).
     """
 
-    def __init__(self, kv: KVCacheManager, running: list[Request], requests: dict[str, Request],
+    def __init__(self, kv: KVCacheManager, waiting: FCFSRequestQueue | PriorityRequestQueue,
+                 running: list[Request], requests: dict[str, Request],
                  finish: Callable[[Request, RequestStatus], None]):
         self.kv = kv
+        self.waiting = waiting
         self.running = running
         self.requests = requests
         self.finish = finish
         self.groups: dict[str, BeamGroup] = {}
         self.unseen_prefix: set[str] = set()  # forked beams the runner has not met yet
         self.num_forks_total = 0
+        self.num_released_total = 0  # parked beams whose blocks were freed (release_parked)
 
     def add(self, root: Request, search: BeamSearch) -> None:
         """Register the root request of a new beam search (the scheduler queues it)."""
@@ -125,8 +133,7 @@ class BeamScheduler:
                 parent = group.requests[rid]
                 parent.output_token_ids.append(c.token_id)
                 self.kv.update_block_hashes(parent)
-                parent.status = RequestStatus.RUNNING
-                self.running.append(parent)
+                self._resume(parent)
         # The next round's beams, in the search's ranking (it breaks ties by that order).
         group.beams = {rid: Beam(rid, group.requests[rid].output_token_ids, c.cum_logprob)
                        for c, rid in zip(conts, carriers)}
@@ -150,9 +157,34 @@ class BeamScheduler:
         self.kv.update_block_hashes(child)
         self.requests[child.request_id] = child
         group.requests[child.request_id] = child
-        self.running.append(child)
         self.unseen_prefix.add(child.request_id)
+        self._resume(child)
         return child.request_id
+
+    def _resume(self, request: Request) -> None:
+        """Back to ``running`` with its new token to decode, or, without its K/V (released),
+        to the front of the waiting queue to be recomputed."""
+        if request.num_computed_tokens == request.num_tokens - 1:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.prepend(request)
+
+    def release_parked(self) -> bool:
+        """Free the blocks of every parked beam (its sampled result stays pending); for a step
+        that could schedule nothing. ``True`` if any block was freed."""
+        released = False
+        for group in self.groups.values():
+            for rid in group.pending:
+                request = group.requests[rid]
+                if request.num_computed_tokens:
+                    self.kv.free(request)
+                    request.num_computed_tokens = 0
+                    request.num_preemptions += 1
+                    self.num_released_total += 1
+                    released = True
+        return released
 
     def _retire(self, group: BeamGroup, request: Request, status: RequestStatus) -> None:
         del group.requests[request.request_id]

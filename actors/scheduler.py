@@ -84,7 +84,8 @@ class Scheduler(Actor):
         # Observers of each step (the server's metrics); the engine owns the list.
         self.stat_loggers: list[StatLogger] = stat_loggers if stat_loggers is not None else []
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
-        self.beams = BeamScheduler(kv_cache_manager, self.running, self.requests, self._finish)
+        self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
+                                   self._finish)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -99,6 +100,9 @@ class Scheduler(Actor):
             start = time.monotonic()
             so = self.schedule()
             if not so.scheduled:  # nothing fits now; wait for an abort or a new request
+                self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
+                if self.beams.release_parked():  # unless parked beams held the blocks
+                    continue
                 self._handle(await self.mailbox.get())
                 continue
             try:

@@ -128,3 +128,27 @@ async def test_smollm2_beams_equal_transformers(default_model_dir):
     prompt_ids = hf_tokenizer(str(default_model_dir)).encode(prompt)
     assert [ch["token_ids"] for ch in body["choices"]] == hf_beams(default_model_dir,
                                                                   prompt_ids, 3, 8)
+
+
+async def test_beams_under_block_pressure_still_equal_transformers(tiny_model_dir):
+    """A pool far too small for 4 beams of 88 tokens at once: beams are preempted and parked
+    beams' blocks released, and the answer does not change."""
+    prompt_ids = list(range(100, 140))
+    async with serve(tiny_model_dir, num_blocks=9, max_model_len=128) as c:
+        body = await beam_completion(c, prompt_ids, n=4, max_tokens=48)
+        s = await until_stats(c, lambda s: s["scheduler"]["num_running"] == 0, "idle")
+    assert s["scheduler"]["num_preempted_total"] > 0
+    assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+    assert [ch["token_ids"] for ch in body["choices"]] == hf_beams(tiny_model_dir, prompt_ids,
+                                                                  4, 48)
+
+
+async def test_a_client_that_goes_away_mid_search_frees_every_block(client):
+    task = asyncio.create_task(beam_completion(client, list(range(200, 240)), n=4,
+                                               max_tokens=400, ignore_eos=True))
+    await until_stats(client, lambda s: s["kv_cache"]["num_shared_blocks"] > 0,
+                      "the beam search running")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await until_stats(client, lambda s: s["kv_cache"]["num_free_blocks"]
+                      == s["kv_cache"]["num_blocks"], "every block free after the disconnect")
