@@ -88,15 +88,15 @@ async def test_chat_beams_equal_transformers(client, tiny_model_dir):
 async def test_beams_share_blocks_and_free_them_all(client):
     before = await stats(client)
     kv0 = before["kv_cache"]
-    # 40 prompt tokens (2 full blocks of 16 + a partial one) shared by 4 beams for 48 tokens.
+    # 40 prompt tokens (2 full blocks of 16 + a partial one) shared by 4 beams for 96 tokens.
     task = asyncio.create_task(beam_completion(
-        client, list(range(100, 140)), n=4, max_tokens=48, ignore_eos=True))
+        client, list(range(100, 140)), n=4, max_tokens=96, ignore_eos=True))
     seen = await until_stats(
         client, lambda s: s["kv_cache"]["num_shared_blocks"] > 0 or task.done(),
         "shared blocks during the beam search")
     assert seen["kv_cache"]["num_shared_blocks"] >= 2, "the prompt's full blocks are shared"
     body = await task
-    assert len(body["choices"]) == 4 and all(len(c["token_ids"]) == 48 for c in body["choices"])
+    assert len(body["choices"]) == 4 and all(len(c["token_ids"]) == 96 for c in body["choices"])
     after = await until_stats(client, lambda s: s["scheduler"]["num_running"] == 0, "idle")
     kv = after["kv_cache"]
     assert kv["num_free_blocks"] == kv["num_blocks"] and kv["num_shared_blocks"] == 0
