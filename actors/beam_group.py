@@ -41,6 +41,7 @@ from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.actors.request import Request, RequestOutput, RequestStatus
 from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagedserve.actors.request_stream import RequestMetrics
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampler import TokenLogprobs
 
@@ -243,32 +244,37 @@ class BeamSearchStream:
     """The request task's side of a beam search: ``await result()`` once; ``close()`` before
     the end aborts the search (its beams' blocks are freed before the next step)."""
 
-    __slots__ = ("request_id", "_scheduler", "_queue", "_done")
+    __slots__ = ("request_id", "_scheduler", "_request", "_metrics", "_done")
 
-    def __init__(self, scheduler: Actor, request: Request):
+    def __init__(self, scheduler: Actor, request: Request, metrics: RequestMetrics):
         self.request_id = request.request_id
         self._scheduler = scheduler
-        self._queue = request.output_queue
+        self._request = request
+        self._metrics = metrics  # the search reports as one request, once it ends
         self._done = False
 
     async def result(self) -> BeamSearchOutput:
         """The best hypotheses. Raises ``EngineShuttingDown`` / ``EngineError``."""
         try:
-            out = await self._queue.get()
+            out = await self._request.output_queue.get()
         except BaseException:
             self.close()
             raise
         self._done = True
         if isinstance(out, RequestOutput):
+            self._metrics.finished(self._request, out.finish_reason)
             if out.finish_reason == "abort":
                 raise EngineShuttingDown(out.error or "request aborted by the server")
             raise EngineError(out.error or "request failed")
+        self._metrics.tokens(self._request, sum(len(h.token_ids) for h in out.hypotheses))
+        self._metrics.finished(self._request, out.finish_reasons[0])
         return out
 
     def close(self) -> None:
         if not self._done:
             self._done = True
             self._scheduler.send(AbortRequest(self.request_id))
+            self._metrics.finished(self._request, None)
 
     def __del__(self) -> None:
         self.close()

@@ -198,7 +198,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.scheduler.send(AbortRequest(request_id))
             raise
-        return BeamSearchStream(self.scheduler, request)
+        return BeamSearchStream(self.scheduler, request, RequestMetrics(self.stat_loggers))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -5,6 +5,7 @@ is free afterwards."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import pytest_asyncio
@@ -85,7 +86,16 @@ async def test_chat_beams_equal_transformers(client, tiny_model_dir):
     assert [c["token_ids"] for c in body["choices"]] == want
 
 
+async def finished_with_length(client) -> float:
+    """The request counter for ``finish_reason=length`` in /metrics (whatever the prefix)."""
+    text = (await client.get("/metrics")).text
+    m = re.search(r'request_success_total\{[^}]*finished_reason="length"[^}]*\} (\S+)', text)
+    assert m is not None, text
+    return float(m.group(1))
+
+
 async def test_beams_share_blocks_and_free_them_all(client):
+    counted = await finished_with_length(client)
     before = await stats(client)
     kv0 = before["kv_cache"]
     # 40 prompt tokens (2 full blocks of 16 + a partial one) shared by 4 beams for 96 tokens.
@@ -105,6 +115,7 @@ async def test_beams_share_blocks_and_free_them_all(client):
     forks = (after["scheduler"]["num_beam_forks_total"]
              - before["scheduler"]["num_beam_forks_total"])
     assert 0 < copies <= forks
+    assert await finished_with_length(client) == counted + 1  # one request, in the metrics
 
 
 @pytest.mark.parametrize(("field", "value"), [
