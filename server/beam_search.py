@@ -46,7 +46,7 @@ def check_beam_search(body: Any) -> None:
         if value != unused and value not in ([], {}, ""):
             raise OpenAIError(f"{name} is not supported with use_beam_search", param=name)
     logprobs = getattr(body, "logprobs", None)
-    if logprobs not in (None, False):
+    if logprobs is not None and logprobs is not False:  # completions' 0 asks for them too
         raise OpenAIError("logprobs is not supported with use_beam_search", param="logprobs")
     spec, param = body.structured_outputs_params()
     if spec is not None:

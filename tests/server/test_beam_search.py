@@ -119,7 +119,7 @@ async def test_beams_share_blocks_and_free_them_all(client):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("logprobs", 2), ("stop", ["."]), ("presence_penalty", 0.5), ("min_tokens", 2),
+    ("logprobs", 2), ("logprobs", 0), ("stop", ["."]), ("presence_penalty", 0.5), ("min_tokens", 2),
     ("response_format", {"type": "json_object"}),
 ])
 async def test_fields_a_beam_search_cannot_honour_are_a_400(client, field, value):
