@@ -86,6 +86,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # Blocks held by more than one request (prefix-cache hits in use by several, beams
+        # forked from one parent): kept up to date on every ref-count change, O(1) to read.
+        self.num_shared_blocks = 0
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -102,6 +105,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if block.ref_cnt == 2:
+                self.num_shared_blocks += 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
@@ -145,7 +150,9 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than taken")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
+            elif block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
     def get_usage(self) -> float:

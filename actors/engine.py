@@ -20,6 +20,8 @@ from typing import Any
 import structlog
 from transformers import PreTrainedTokenizerBase
 
+from pagedserve.actors.beam_group import BeamSearchStream
+from pagedserve.actors.beam_search import BeamSearch, BeamSearchParams
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.executor import Executor
@@ -167,6 +169,36 @@ class AsyncEngine:
             raise
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         return RequestStream(self.scheduler, request, detok, RequestMetrics(self.stat_loggers))
+
+    async def beam_search(
+        self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
+        stop_token_ids: list[int] | None = None, priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> BeamSearchStream:
+        """Queue a beam search (transformers' rules, ``actors/beam_search.py``; its beams share
+        KV blocks, ``actors/beam_group.py``) and return its handle once accepted.
+
+        Args:
+            stop_token_ids: ids that end a hypothesis as EOS does.
+
+        Raises:
+            EngineOverloaded, DuplicateRequestId: as ``add_request``.
+        """
+        search = BeamSearch(params, self._eos | frozenset(stop_token_ids or ()))
+        # Greedy rows with the top logprobs the search ranks; it decides when beams stop.
+        sampling = SamplingParams(temperature=0.0, logprobs=search.num_candidates,
+                                  max_tokens=None, ignore_eos=True)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request = Request(request_id, prompt_token_ids, sampling, queue, eos_token_ids=self._eos,
+                          priority=priority, cache_salt=cache_salt)
+        accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.scheduler.send(AddRequest(request, accepted, beam_search=search))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.scheduler.send(AbortRequest(request_id))
+            raise
+        return BeamSearchStream(self.scheduler, request, RequestMetrics(self.stat_loggers))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -11,6 +11,13 @@
 tokens fit, and indexes every block that this step fills, so a request admitted later, even in
 the same step, can share it (within one forward pass every layer writes all K/V of the batch
 before any attention reads them).
+
+Beam search (the PagedAttention paper's showcase, section 4.4): ``fork`` gives a new beam its
+parent's whole block table by reference (ref counts up, nothing copied). A block that a step is
+about to write while someone else still holds it, the beam's last partial block, is copied
+first (copy-on-write): ``allocate_slots`` takes a fresh block for it, drops its reference to the
+shared one and queues ``(src, dst)`` for the runner, which copies the K/V before the forward
+pass (``take_blocks_to_copy``). Full blocks stay shared for the beams' whole lives.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ class KVCacheManager:
         # Prefix-cache counters, in prompt tokens looked up / found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Copy-on-write: ``(src, dst)`` block ids queued for the next step, and the count so far.
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.num_copied_blocks_total = 0
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -87,12 +97,18 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         needed = self.num_blocks_needed(total) - len(blocks) - len(hits)
+        # Blocks this step writes into that another request (a beam's sibling) also holds.
+        shared = [i for i in range(num_computed // self.block_size, len(blocks))
+                  if blocks[i].ref_cnt > 1]
         # Hits nobody holds sit in the free queue: taking them uses up free blocks too.
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if max(needed, 0) + evictable_hits > self.block_pool.get_num_free_blocks():
+        if (max(needed, 0) + evictable_hits + len(shared)
+                > self.block_pool.get_num_free_blocks()):
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        for i in shared:
+            self._copy_on_write(blocks, i)
         if hits:
             self.block_pool.touch(hits)
             blocks.extend(hits)
@@ -101,6 +117,29 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, total)
         return new
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], i: int) -> None:
+        """Replace the shared ``blocks[i]`` by a private copy (the K/V copy is queued)."""
+        src = blocks[i]
+        (dst,) = self.block_pool.get_new_blocks(1)
+        self.block_pool.free_blocks([src])  # others still hold it: it stays in use
+        blocks[i] = dst
+        self.blocks_to_copy.append((src.block_id, dst.block_id))
+        self.num_copied_blocks_total += 1
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` (a new beam) ``parent``'s block table, shared: ref counts go up, no
+        block is taken or copied until one of them writes into a shared one."""
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs queued since the last call, for the step being built."""
+        pairs, self.blocks_to_copy = self.blocks_to_copy, []
+        return pairs
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int):
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
@@ -123,6 +162,11 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one request (shared prefixes, forked beams)."""
+        return self.block_pool.num_shared_blocks
 
     @property
     def num_cached_blocks(self) -> int:

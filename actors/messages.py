@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve.actors.beam_search import BeamSearch
 from pagedserve.actors.request import Request
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
@@ -16,10 +17,12 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class AddRequest:
     """Request task → scheduler: queue a new request. ``accepted`` resolves once it is queued,
-    or fails with ``EngineOverloaded`` / ``DuplicateRequestId``."""
+    or fails with ``EngineOverloaded`` / ``DuplicateRequestId``. With ``beam_search``, the
+    request is the root of a beam search (``actors/beam_group.py``)."""
 
     request: Request
     accepted: asyncio.Future[None] | None = None
+    beam_search: BeamSearch | None = None
 
 
 @dataclass(slots=True)

@@ -13,12 +13,14 @@ from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.actors.beam_group import BeamGroup
     from pagedserve.actors.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # guided; its grammar is still compiling
+    WAITING_FOR_BEAMS = "waiting_for_beams"  # a beam that sampled; its siblings have not yet
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -88,6 +90,7 @@ class Request:
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
     # With sampling_params.prompt_logprobs: prompt tokens 1.. as the prefill computed them.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    beam_group: BeamGroup | None = None  # the beam search this request is a beam of
 
     @property
     def all_token_ids(self) -> list[int]:

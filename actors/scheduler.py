@@ -9,7 +9,8 @@ Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its co
 3. send the batch to the executor actor and await its reply;
 4. ``update_from_output()``: advance ``num_computed_tokens`` (with n-gram drafts, by the
    accepted ones plus one: ``actors/spec_decode.py``), append sampled tokens, finish requests,
-   free their blocks and push each request's new tokens to its queue.
+   free their blocks and push each request's new tokens to its queue. A beam of a beam search
+   goes to ``BeamScheduler`` instead (``actors/beam_group.py``), which forks and retires beams.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 import structlog
 
 from pagedserve.actors.actor import Actor
+from pagedserve.actors.beam_group import BeamScheduler
+from pagedserve.actors.beam_search import BeamSearch
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.kv_cache_manager import KVCacheManager
@@ -81,6 +84,8 @@ class Scheduler(Actor):
         # Observers of each step (the server's metrics); the engine owns the list.
         self.stat_loggers: list[StatLogger] = stat_loggers if stat_loggers is not None else []
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
+        self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
+                                   self._finish)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -95,6 +100,9 @@ class Scheduler(Actor):
             start = time.monotonic()
             so = self.schedule()
             if not so.scheduled:  # nothing fits now; wait for an abort or a new request
+                self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
+                if self.beams.release_parked():  # unless parked beams held the blocks
+                    continue
                 self._handle(await self.mailbox.get())
                 continue
             try:
@@ -115,12 +123,15 @@ class Scheduler(Actor):
         failed (K/V writes are idempotent, so rerunning a request's slice is safe)."""
         merged = ModelRunnerOutput({}, {})
         for sr in so.scheduled:
-            try:
-                out = await self._execute(SchedulerOutput([sr]))
+            try:  # copies are idempotent: each rerun may repeat them
+                out = await self._execute(SchedulerOutput([sr], blocks_to_copy=so.blocks_to_copy))
             except Exception as e:
                 log.exception("request_failed", request_id=sr.req_id)
                 request = self.requests.get(sr.req_id)
-                if request is not None:
+                if request is not None and request.beam_group is not None:
+                    self.beams.fail(request, RequestStatus.FINISHED_ERROR,
+                                    f"{type(e).__name__}: {e}")
+                elif request is not None:
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     request.output_queue.put_nowait(
                         RequestOutput([], "error", f"{type(e).__name__}: {e}"))
@@ -152,6 +163,7 @@ class Scheduler(Actor):
         elif isinstance(msg, GrammarReady):
             self._grammar_ready(msg.request_id)
         elif isinstance(msg, AbortAll):
+            self.beams.abort_all(msg.reason)
             for request in list(self.requests.values()):
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
                 request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
@@ -179,7 +191,7 @@ class Scheduler(Actor):
         if accepted is not None and accepted.done():  # the request task was cancelled
             return
         if error is None:
-            self.add_request(request)
+            self.add_request(request, msg.beam_search)
         if accepted is not None and error is not None:
             accepted.set_exception(error)
         elif accepted is not None:
@@ -187,8 +199,11 @@ class Scheduler(Actor):
         elif error is not None:
             request.output_queue.put_nowait(RequestOutput([], "error", str(error)))
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, beam_search: BeamSearch | None = None) -> None:
+        """Queue ``request``; with ``beam_search``, as the root of that search's beams."""
         self.requests[request.request_id] = request
+        if beam_search is not None:
+            self.beams.add(request, beam_search)
         self.kv.update_block_hashes(request)
         so = request.structured_output
         if so is not None and not (so.ready and so.error is None):
@@ -215,6 +230,8 @@ class Scheduler(Actor):
         self.waiting.add(request)
 
     def abort_request(self, request_id: str) -> None:
+        if self.beams.abort(request_id):
+            return
         request = self.requests.get(request_id)
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -224,7 +241,7 @@ class Scheduler(Actor):
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
             del self.waiting_for_grammar[request.request_id]
-        else:
+        elif request.status != RequestStatus.WAITING_FOR_BEAMS:  # parked beams sit nowhere
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
@@ -251,7 +268,9 @@ class Scheduler(Actor):
             if sr.sampling_params.prompt_logprobs is not None:
                 sr.prompt_logprobs = self.requests[sr.req_id].prompt_logprobs_wanted(
                     sr.num_computed_tokens, len(sr.token_ids))
-        so = SchedulerOutput(scheduled, self.finished_req_ids)
+        self.beams.prepare(scheduled)
+        so = SchedulerOutput(scheduled, self.finished_req_ids,
+                             blocks_to_copy=self.kv.take_blocks_to_copy())
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
             scheduled, self.requests)
         self.finished_req_ids = set()
@@ -277,6 +296,9 @@ class Scheduler(Actor):
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+            if request.beam_group is not None:
+                self.beams.on_sampled(request, out.logprobs[sr.req_id][0])
+                continue
             status = None
             first = not request.output_token_ids
             for i, token in enumerate(new):  # with drafts, a stop among them ends the output
@@ -350,12 +372,15 @@ class Scheduler(Actor):
             num_steps_total=self.num_steps,
             num_computed_tokens_total=self.num_computed_tokens_total,
             policy=self.config.policy, requests=rows,
+            num_beam_forks_total=self.beams.num_forks_total,
         )
         pool = self.kv.block_pool
         kv = KVCacheStats(
             block_size=self.kv.block_size, num_blocks=pool.num_blocks,
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_blocks=self.kv.num_cached_blocks, usage=pool.get_usage(),
+            num_shared_blocks=self.kv.num_shared_blocks,
+            num_copied_blocks_total=self.kv.num_copied_blocks_total,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
         )

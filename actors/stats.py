@@ -201,6 +201,8 @@ class SchedulerStats:
             accepted, in tokens.
         num_computed_tokens_total: tokens run through the model (prefill + decode).
         requests: the waiting and running requests, running first.
+        num_beam_forks_total: beams forked by beam searches (each shares its parent's blocks
+            and copies at most its last partial block).
     """
 
     num_running: int
@@ -213,6 +215,7 @@ class SchedulerStats:
     num_computed_tokens_total: int
     policy: str
     requests: list[RequestStats] = field(default_factory=list)
+    num_beam_forks_total: int = 0
 
 
 @dataclass(slots=True)
@@ -222,6 +225,10 @@ class KVCacheStats:
     Attributes:
         num_cached_blocks: blocks indexed by the prefix cache (held or free).
         usage: held blocks / all blocks (0 idle, 1 full).
+        num_shared_blocks: blocks held by more than one request now (a prefix several running
+            requests share, beams of one beam search).
+        num_copied_blocks_total: copy-on-write copies since start (a beam that diverged
+            copied its last partial block).
     """
 
     block_size: int
@@ -231,6 +238,8 @@ class KVCacheStats:
     usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_shared_blocks: int = 0
+    num_copied_blocks_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -135,12 +135,16 @@ class SchedulerOutput:
     holds one row per request that is guided and samples this step, and
     ``structured_output_request_ids`` maps each such request id to its row. ``None`` / empty
     when no guided request samples this step (unguided batches pay nothing).
+
+    ``blocks_to_copy``: ``(src, dst)`` KV block ids to copy before the forward pass (beam
+    search's copy-on-write of a shared partial block; ``gpu/kv_cache.copy_blocks``).
     """
 
     scheduled: list[ScheduledRequest]
     finished_req_ids: set[str] = field(default_factory=set)
     grammar_bitmask: torch.Tensor | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -77,3 +77,21 @@ def allocate_kv_caches(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(layers)
     ]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks ``src → dst`` in every layer's K and V cache, in place.
+
+    Copy-on-write for beam search: a beam about to write into a block its siblings share gets
+    a private copy first (``KVCacheManager.allocate_slots``). ``dst`` blocks are fresh, never a
+    ``src`` of the same call, so the order of the pairs does not matter.
+    """
+    if not pairs:
+        return
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    for key_cache, value_cache in kv_caches:
+        key_cache[dst] = key_cache[src]
+        value_cache[dst] = value_cache[src]

@@ -307,6 +307,7 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
             self.token_ids.pop(req_id, None)
+        kv_cache.copy_blocks(self.kv_caches, so.blocks_to_copy)  # beams' copy-on-write
         if not so.scheduled:
             return ModelRunnerOutput({})
         if self.threads is not None:  # fewer CPU threads while another process holds a core

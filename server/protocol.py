@@ -79,6 +79,10 @@ class _SamplingBody(StructuredOutputFields, _Body):
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, lt=2**63)
     truncation_side: Literal["left", "right"] | None = None
+    # Beam search (vLLM's fields; n is the width; server/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
     def _check(self) -> Any:

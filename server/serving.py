@@ -23,6 +23,11 @@ from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.beam_search import (
+    beam_search_response,
+    check_beam_search,
+    start_beam_search,
+)
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.logprobs_format import LogprobsFormatter
@@ -209,12 +214,18 @@ class Serving:
                        params: list[SamplingParams], chat: bool, echo: str | None = None):
         """``prompts`` and their ``params``: one each (chat), or a completion's batch.
         ``echo``: chat's echoed assistant message."""
+        if body.use_beam_search:
+            check_beam_search(body, len(prompts))
         grammar = await self._structured_outputs(body, params[0])
         for p in params[1:]:  # a batch's prompts share the one compiled constraint
             p.structured_outputs = params[0].structured_outputs
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        streams = await self._start(request_id, [(p.token_ids, sp) for p, sp in
-                                                 zip(prompts, params)], body, grammar)
+        if body.use_beam_search:
+            beams = await start_beam_search(self.engine, request_id, prompts[0].token_ids, body,
+                                            params[0])
+        else:
+            streams = await self._start(request_id, [(p.token_ids, sp) for p, sp in
+                                                     zip(prompts, params)], body, grammar)
         builder = ResponseBuilder(
             request_id=request_id, created=int(time.time()),
             model=self.config.served_model_name, chat=chat,
@@ -226,6 +237,9 @@ class Serving:
         )
         on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
                                sum(len(p.token_ids) for p in prompts))
+        if body.use_beam_search:  # never streamed, as vLLM
+            return await beam_search_response(request, beams, builder,
+                                              params[0].skip_special_tokens, on_done)
         headers = {"X-Request-Id": request_id}
         if body.stream:
             opts = body.stream_options

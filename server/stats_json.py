@@ -45,6 +45,7 @@ def scheduler_json(s: SchedulerStats) -> dict[str, Any]:
         "num_steps_total": s.num_steps_total,
         "num_computed_tokens_total": s.num_computed_tokens_total,
         "policy": s.policy,
+        "num_beam_forks_total": s.num_beam_forks_total,
         "requests": [request_json(r) for r in s.requests],
     }
 
@@ -75,6 +76,8 @@ def kv_cache_json(kv: KVCacheStats) -> dict[str, Any]:
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,
         "prefix_cache_hit_rate": round(kv.prefix_cache_hit_rate, 6),
+        "num_shared_blocks": kv.num_shared_blocks,
+        "num_copied_blocks_total": kv.num_copied_blocks_total,
     }
 
 

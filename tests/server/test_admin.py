@@ -209,13 +209,14 @@ async def test_stats_json_shape(client):
     assert set(s["scheduler"]) == {
         "num_waiting", "num_waiting_for_grammar", "num_running", "num_preempted_total",
         "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",
-        "num_computed_tokens_total", "policy", "requests"}
+        "num_computed_tokens_total", "policy", "requests", "num_beam_forks_total"}
     assert set(s["scheduler"]["requests"][0]) == {
         "id", "state", "priority", "prompt_tokens", "output_tokens", "num_computed_tokens",
         "num_blocks", "cached_tokens", "num_preemptions", "age_s", "ttft_s"}
     assert set(s["kv_cache"]) == {
         "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "usage",
-        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate"}
+        "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+        "num_shared_blocks", "num_copied_blocks_total"}
     assert set(s["steps"][0]) == {"batch_size", "prefill_tokens", "decode_tokens", "duration_ms"}
     assert set(s["throughput"]) == {"window_s", "prompt_tokens_per_s", "generation_tokens_per_s"}
     assert set(s["model"]) == {"name", "path", "dtype", "device", "quantization",
