@@ -271,17 +271,19 @@ class Scheduler(Actor):
             if request.first_token_time is None:
                 request.first_token_time = now
             status = None
+            logprobs = out.logprobs.get(sr.req_id)
             for i, token in enumerate(new):  # with drafts, a stop among them ends the output
                 request.output_token_ids.append(token)
                 status = advance(request, [token]) or self._check_stop(request)
                 if status is not None:
                     new = new[: i + 1]
+                    logprobs = logprobs[: i + 1] if logprobs is not None else None
                     break
             self.kv.update_block_hashes(request)
             if status is not None:
                 self._finish(request, status)
             request.output_queue.put_nowait(RequestOutput(
-                new, FINISH_REASONS.get(status), logprobs=out.logprobs.get(sr.req_id)))
+                new, FINISH_REASONS.get(status), logprobs=logprobs))
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -4,12 +4,11 @@ A decode step is bound by reading the weights, not by arithmetic: scoring a hand
 tokens costs about what scoring one does. The proposer guesses by finding the request's last
 n tokens earlier in its prompt or output and proposing what followed them there (Saxena,
 "Prompt Lookup Decoding", 2023; vLLM's ``vllm/v1/spec_decode/ngram_proposer.py``). The model
-scores the last token and the drafts in one step; for greedy requests a draft is accepted while
-it equals the model's argmax at its position, so the output is the one plain decoding gives.
-
-Only requests whose next token depends on nothing but the logits at its position are
-speculated: greedy, no penalties, no ``min_tokens``, no logprobs, no grammar. The rest decode
-one token per step as before, in the same batch.
+scores the last token and the drafts in one step, and the runner verifies them by rejection
+sampling (``gpu/rejection_sampler.py``), which keeps the output distribution of plain decoding
+at any temperature, with every sampling parameter (penalties, min_tokens, logprobs, seeds, and
+the grammar: a guided request's bitmask has a row per drafted position,
+``actors/structured_output.py``); greedy output is the one plain decoding gives.
 
 The scheduler's side is two calls: ``NgramProposer.propose`` gives a decode its drafts (the
 step planner takes blocks for them only when they are free: a guess never preempts anyone),
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 
 from pagedserve.actors.request import Request
 from pagedserve.gpu.batch import ScheduledRequest
-from pagedserve.gpu.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -75,12 +73,6 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     return config
 
 
-def can_speculate(params: SamplingParams, wants_grammar: bool) -> bool:
-    """Whether drafts for this request can be verified by comparing argmaxes."""
-    return (params.greedy and not params.needs_history and params.min_tokens == 0
-            and params.logprobs is None and not wants_grammar)
-
-
 class NgramProposer:
     """Drafts for the scheduler's decodes (vLLM's ``NgramProposer``, without the Numba)."""
 
@@ -98,10 +90,8 @@ class NgramProposer:
     def propose(self, request: Request, budget: int) -> list[int]:
         """n-gram drafts for a decode of ``request``, capped by ``budget`` (tokens the step has
         left after the decode itself), the output tokens still allowed and the context length;
-        ``[]`` when the request cannot be speculated."""
+        ``[]`` when nothing recurs or there is no room."""
         params = request.sampling_params
-        if not can_speculate(params, request.structured_output is not None):
-            return []
         room = min(self.config.num_speculative_tokens, budget,
                    self.max_model_len - request.num_tokens - 1)
         if params.max_tokens is not None:  # the last sampled token is the +1 of the step

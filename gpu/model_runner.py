@@ -21,6 +21,7 @@ from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
@@ -319,10 +320,8 @@ class ModelRunner:
         sampled_reqs = [r for r in reqs if r.sample]
         if not sampled_reqs:
             return ModelRunnerOutput({})
-        if so.grammar_bitmask is not None:  # one logits row per request, k + 1 with drafts
-            row_ids = [r.req_id for r in sampled_reqs for _ in range(len(r.spec_token_ids) + 1)]
-            apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
-                                  row_ids)
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(logits, so, sampled_reqs)
         if any(r.spec_token_ids for r in sampled_reqs):
             return self._verify_drafts(logits, sampled_reqs)
         out = sample(logits, [self._row(r) for r in sampled_reqs])
@@ -331,39 +330,41 @@ class ModelRunner:
             {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
         )
 
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, so: SchedulerOutput,
+                       reqs: list[ScheduledRequest]) -> None:
+        """Mask each guided row with its bitmask row: one logits row per request, k + 1 with
+        drafts, and a guided request with drafts has k + 1 consecutive bitmask rows from its
+        ``structured_output_request_ids`` entry (the grammar's state after each draft)."""
+        first = so.structured_output_request_ids
+        keys = [(r.req_id, j) for r in reqs for j in range(len(r.spec_token_ids) + 1)]
+        rows = {f"{rid}/{j}": first[rid] + j for rid, j in keys if rid in first}
+        apply_grammar_bitmask(logits, so.grammar_bitmask, rows, [f"{rid}/{j}" for rid, j in keys])
+
     def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
-        """Sample every row (a request with k drafts has k + 1), then keep, per request, the
-        sampled tokens up to and including the first that differs from its draft.
+        """Verify every request's drafts by rejection sampling (``gpu/rejection_sampler.py``):
+        a request with k drafts has k + 1 rows, row ``j`` processed with the first ``j`` drafts
+        in its history; it gets back its accepted drafts plus one token. Requests without
+        drafts are the ``k = 0`` case: plain sampling of their one row."""
+        drafted = [DraftedRequest([self._row(r, j) for j in range(len(r.spec_token_ids) + 1)],
+                                  r.spec_token_ids) for r in reqs]
+        verified = rejection_sample(logits, drafted)
+        return ModelRunnerOutput(
+            {r.req_id: v.token_ids for r, v in zip(reqs, verified, strict=True)},
+            {r.req_id: v.logprobs for r, v in zip(reqs, verified, strict=True)
+             if v.logprobs is not None},
+        )
 
-        Requests with drafts are greedy with no history-dependent processing (the scheduler's
-        ``can_speculate``), so row ``i`` samples exactly what plain decoding would after the
-        first ``i`` drafts: the output does not change, only the steps it takes.
-        """
-        rows = [self._row(r) for r in reqs for _ in range(len(r.spec_token_ids) + 1)]
-        out = sample(logits, rows)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list] = {}
-        i = 0
-        for r in reqs:
-            k = len(r.spec_token_ids)
-            tokens = out.token_ids[i:i + k + 1]
-            accepted = 0
-            while accepted < k and tokens[accepted] == r.spec_token_ids[accepted]:
-                accepted += 1
-            sampled[r.req_id] = tokens[:accepted + 1]
-            if out.logprobs[i] is not None:  # only requests without drafts ask (k == 0)
-                logprobs[r.req_id] = [out.logprobs[i]]
-            i += k + 1
-        return ModelRunnerOutput(sampled, logprobs)
-
-    def _row(self, r: ScheduledRequest) -> SampleRow:
+    def _row(self, r: ScheduledRequest, num_drafts: int = 0) -> SampleRow:
+        """The sampling row after ``r``'s tokens and its first ``num_drafts`` drafts."""
         p = r.sampling_params
         # Slicing the history costs a copy per step: only for rows that read it.
         tokens = self.token_ids[r.req_id] if p.needs_history or p.min_tokens else []
+        end = len(tokens) - len(r.spec_token_ids) + num_drafts
         return SampleRow(
             params=p, generator=self._generator(r),
             prompt_ids=tokens[: r.num_prompt_tokens],
-            output_ids=tokens[r.num_prompt_tokens :],
+            output_ids=tokens[r.num_prompt_tokens : end],
             stop_ids=[*self.eos_token_ids, *p.stop_token_ids] if not p.ignore_eos
             else list(p.stop_token_ids),
         )

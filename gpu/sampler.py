@@ -91,7 +91,8 @@ def _needs_processing(p: SamplingParams) -> bool:
     return bool(p.logit_bias or p.min_tokens or p.needs_history)
 
 
-def _logprobs(lp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+def token_logprobs(lp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """``token``'s log-probability in ``lp_row`` ``[V]``, its rank and the top ``k``."""
     value = lp_row[token]
     rank = int((lp_row > value).sum()) + 1
     top = lp_row.topk(k) if k > 0 else None
@@ -100,6 +101,48 @@ def _logprobs(lp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
         top_ids=top.indices.tolist() if top is not None else [],
         top_logprobs=top.values.tolist() if top is not None else [],
     )
+
+
+@dataclass(slots=True)
+class TargetDistribution:
+    """Each row's next-token distribution once every sampling parameter is applied: what
+    ``sample`` draws from, and what the rejection sampler (``gpu/rejection_sampler.py``)
+    verifies drafts against, so both paths share one copy of the processing.
+
+    Attributes:
+        argmax: int64 ``[B]``, the most likely token of each processed row (greedy rows' pick).
+        random_rows: the rows that sample (temperature > 0), ascending.
+        probs: float32 ``[len(random_rows), V]``, their probabilities after temperature,
+            min-p and top-k/top-p (zeros outside); ``None`` when no row samples.
+        logprob_rows: the rows that asked for logprobs, ascending.
+        logprobs: ``[len(logprob_rows), V]`` log-softmax before the min-p/top-k/top-p filters
+            (what ``SamplingParams.logprobs`` documents); ``None`` when none asked.
+    """
+
+    argmax: torch.Tensor
+    random_rows: list[int]
+    probs: torch.Tensor | None
+    logprob_rows: list[int]
+    logprobs: torch.Tensor | None
+
+
+def target_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> TargetDistribution:
+    """Apply bias, min_tokens, penalties, temperature, then (sampled rows) min-p and
+    top-k/top-p to ``logits`` ``[B, V]`` float32 (modified in place), one ``SampleRow`` each."""
+    params = [r.params for r in rows]
+    for i, row in enumerate(rows):
+        if _needs_processing(row.params):
+            _process_row(logits[i], row)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        logits[idx] = logits[idx] / temp[:, None]
+    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = logits[want_lp].log_softmax(dim=-1) if want_lp else None
+    probs = _filtered_probs(logits[idx], [params[i] for i in random_rows]) if random_rows \
+        else None
+    return TargetDistribution(logits.argmax(dim=-1), random_rows, probs, want_lp, logprobs)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
@@ -112,30 +155,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     Returns:
         Token ids ``[B]`` and, for rows that asked, their logprobs.
     """
-    params = [r.params for r in rows]
-    for i, row in enumerate(rows):
-        if _needs_processing(row.params):
-            _process_row(logits[i], row)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        logits[idx] = logits[idx] / temp[:, None]
-    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logprobs = (logits[want_lp].log_softmax(dim=-1) if want_lp else None)
-    tokens = logits.argmax(dim=-1)
-    if random_rows:
-        tokens[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
+    target = target_distribution(logits, rows)
+    tokens = target.argmax
+    if target.random_rows:
+        idx = torch.tensor(target.random_rows, device=logits.device)
+        tokens[idx] = exponential_race(target.probs,
+                                       [rows[i].generator for i in target.random_rows])
     token_list = tokens.tolist()
     out_lp: list[TokenLogprobs | None] = [None] * len(rows)
-    for j, i in enumerate(want_lp):
-        out_lp[i] = _logprobs(logprobs[j], token_list[i], params[i].logprobs or 0)
+    for j, i in enumerate(target.logprob_rows):
+        out_lp[i] = token_logprobs(target.logprobs[j], token_list[i], rows[i].params.logprobs or 0)
     return SamplerOutput(token_list, out_lp)
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities ``[R, V]`` of temperature-scaled ``logits`` after min-p and top-k/top-p."""
     device = logits.device
-    params = [r.params for r in rows]
     min_p = torch.tensor([p.min_p for p in params], device=device)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
@@ -145,8 +180,13 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[R, V]`` (unnormalized is fine: ``argmax(p / q)``,
+    ``q ~ Exp(1)``), row ``i``'s noise from ``generators[i]`` (``None``: the global RNG)."""
     noise = torch.empty_like(probs)
-    for i, row in enumerate(rows):
-        noise[i].exponential_(generator=row.generator)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)
