@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts.
+"""Speculative decoding's scheduler side: n-gram (prompt-lookup) drafts, or slots for a draft
+model's.
 
 A decode step is bound by reading the weights, not by arithmetic: scoring a handful of guessed
 tokens costs about what scoring one does. The proposer guesses by finding the request's last
@@ -10,6 +11,11 @@ at any temperature, with every sampling parameter (penalties, min_tokens, logpro
 the grammar: a guided request's bitmask has a row per drafted position,
 ``actors/structured_output.py``); greedy output is the one plain decoding gives.
 
+With ``method: draft_model`` the scheduler only decides how many drafts a decode gets (the
+same room rules) and hands the runner that many placeholder slots; the draft model, in the
+runner, fills them before the verify pass (``gpu/draft_model.py``). Guided requests get none
+there: their bitmask rows per drafted position are built here, before the drafts exist.
+
 The scheduler's side is two calls: ``NgramProposer.propose`` gives a decode its drafts (the
 step planner takes blocks for them only when they are free: a guess never preempts anyone),
 and ``num_accepted`` reads how many of them the runner kept. ``num_computed_tokens`` advances by
@@ -20,6 +26,7 @@ request keeps, and is overwritten by the next step: rollback costs nothing.
 from __future__ import annotations
 
 import json
+import time
 from array import array
 from dataclasses import dataclass
 
@@ -32,7 +39,9 @@ class SpeculativeConfig:
     """``--speculative-config``, vLLM's JSON keys.
 
     Attributes:
-        method: only ``ngram``.
+        method: ``ngram`` or ``draft_model``.
+        model: the draft model (``draft_model``): a folder, ``.gguf`` file or hub id whose
+            tokenizer is the target's.
         num_speculative_tokens: drafts per step and request at most (k).
         prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram matched.
         disable_by_batch_size: no drafts while more requests than this run (a large batch is
@@ -40,6 +49,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -59,9 +69,12 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     if unknown:
         raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
     config = SpeculativeConfig(**raw)
-    if config.method != "ngram":
+    if config.method not in ("ngram", "draft_model"):
         raise ValueError(f"--speculative-config: method {config.method!r} is not supported "
-                         "(only 'ngram')")
+                         "(choose 'ngram' or 'draft_model')")
+    if (config.method == "draft_model") != (config.model is not None):
+        raise ValueError("--speculative-config: 'model' (the draft model) goes with method "
+                         "'draft_model', and only with it")
     ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
     if not all(isinstance(getattr(config, k), int) and getattr(config, k) >= 1 for k in ints):
         raise ValueError(f"--speculative-config: {', '.join(ints)} must be integers >= 1")
@@ -76,11 +89,12 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
 class NgramProposer:
     """Drafts for the scheduler's decodes (vLLM's ``NgramProposer``, without the Numba)."""
 
-    __slots__ = ("config", "max_model_len")
+    __slots__ = ("config", "max_model_len", "seconds")
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
+        self.seconds = 0.0  # spent proposing (the draft time of the stats)
 
     def enabled(self, num_running: int) -> bool:
         """Whether this step speculates at all (``disable_by_batch_size``)."""
@@ -98,8 +112,33 @@ class NgramProposer:
             room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
         if room <= 0:
             return []
+        start = time.perf_counter()
+        drafts = self._drafts(request, room)
+        self.seconds += time.perf_counter() - start
+        return drafts
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
         return propose_ngram(request.all_token_ids, room, self.config.prompt_lookup_max,
                              self.config.prompt_lookup_min)
+
+
+DRAFT_SLOT = 0  # a placeholder id the draft model overwrites
+
+
+class DraftModelProposer(NgramProposer):
+    """Draft slots for the runner's draft model: as many as the room allows (none for guided
+    requests)."""
+
+    __slots__ = ()
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        return [] if request.structured_output is not None else [DRAFT_SLOT] * room
+
+
+def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramProposer:
+    if config.method == "draft_model":
+        return DraftModelProposer(config, max_model_len)
+    return NgramProposer(config, max_model_len)
 
 
 def num_accepted(sr: ScheduledRequest, sampled: list[int] | None) -> int:

@@ -16,8 +16,9 @@ from transformers import PretrainedConfig
 from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader
 from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
-from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
+from pagedserve.gpu.draft_model import DraftModel
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
@@ -108,9 +109,11 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig,
         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+        draft: DraftModelConfig | None = None,
     ):
         """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
-        step, which the CUDA path profiles (KV sizing) and captures (decode graphs)."""
+        step, which the CUDA path profiles (KV sizing) and captures (decode graphs).
+        ``draft``: a draft model for speculative decoding (``gpu/draft_model.py``)."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -135,6 +138,7 @@ class ModelRunner:
         # them).
         self.generators: dict[str, torch.Generator] = {}
         self.token_ids: dict[str, list[int]] = {}
+        self.draft = DraftModel(draft) if draft is not None else None
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -150,6 +154,10 @@ class ModelRunner:
         resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
         self._size_kv_cache(model_bytes)
+        if self.draft is not None:  # its own K/V, the target's block count and size
+            self.draft.load(resolved.path, self.hf_config.vocab_size, self.attn_backend,
+                            self.max_model_len, self.num_blocks, self.block_size, self.device,
+                            self.dtype)
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
@@ -296,10 +304,15 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
             self.token_ids.pop(req_id, None)
+            if self.draft is not None:
+                self.draft.forget(req_id)
         if not so.scheduled:
             return ModelRunnerOutput({})
         if self.threads is not None:  # fewer CPU threads while another process holds a core
             self.threads.tick()
+        if self.draft is not None:
+            self._propose_drafts(so.scheduled)
+        verify_start = time.perf_counter()
         for r in so.scheduled:
             known = self.token_ids.setdefault(r.req_id, [])
             if r.prefix_token_ids is not None:
@@ -323,7 +336,11 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             self._apply_grammar(logits, so, sampled_reqs)
         if any(r.spec_token_ids for r in sampled_reqs):
-            return self._verify_drafts(logits, sampled_reqs)
+            out = self._verify_drafts(logits, sampled_reqs)
+            out.verify_seconds = time.perf_counter() - verify_start
+            if self.draft is not None:
+                out.draft_seconds = self.draft.times.take()
+            return out
         out = sample(logits, [self._row(r) for r in sampled_reqs])
         return ModelRunnerOutput(
             {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
@@ -341,6 +358,20 @@ class ModelRunner:
         rows = {f"{rid}/{j}": first[rid] + j for rid, j in keys if rid in first}
         apply_grammar_bitmask(logits, so.grammar_bitmask, rows, [f"{rid}/{j}" for rid, j in keys])
 
+    def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> None:
+        """The draft model fills the draft slots (placeholders from the scheduler) of the
+        decodes that have them; every request's draft K/V is reset if it was rebuilt."""
+        drafting = []
+        for r in scheduled:
+            self.draft.reset_if_rebuilt(r)
+            if r.spec_token_ids:
+                drafting.append(r)
+        if not drafting:
+            return
+        tokens = {r.req_id: self.token_ids[r.req_id][: r.num_computed_tokens] + r.token_ids
+                  for r in drafting}  # a decode's tokens: the runner has seen all before it
+        self.draft.propose(drafting, tokens)
+
     def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
         """Verify every request's drafts by rejection sampling (``gpu/rejection_sampler.py``):
         a request with k drafts has k + 1 rows, row ``j`` processed with the first ``j`` drafts
@@ -349,6 +380,10 @@ class ModelRunner:
         drafted = [DraftedRequest([self._row(r, j) for j in range(len(r.spec_token_ids) + 1)],
                                   r.spec_token_ids) for r in reqs]
         verified = rejection_sample(logits, drafted)
+        if self.draft is not None:
+            for r, v in zip(reqs, verified, strict=True):
+                if r.spec_token_ids:
+                    self.draft.accepted(r, len(v.token_ids) - 1)
         return ModelRunnerOutput(
             {r.req_id: v.token_ids for r, v in zip(reqs, verified, strict=True)},
             {r.req_id: v.logprobs for r, v in zip(reqs, verified, strict=True)
