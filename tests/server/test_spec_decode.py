@@ -23,7 +23,7 @@ def test_cli_refuses_a_bad_speculative_config():
     r = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "serve", "--speculative-config",
                         '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "--speculative-config" in r.stderr and "only 'ngram'" in r.stderr
+    assert "--speculative-config" in r.stderr and "'ngram' or 'draft_model'" in r.stderr
 
 
 async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
@@ -58,6 +58,18 @@ async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
     assert 0 < accepted <= drafted
     assert (f"pagedserve:spec_decode_num_accepted_tokens_total{{model_name=\"{TINY_NAME}\"}} "
             f"{float(idle['spec_decode_num_accepted_tokens'])}") in metrics
+    sd = idle["spec_decode"]
+    assert sd["num_accepted_tokens"] == idle["spec_decode_num_accepted_tokens"]
+    assert sum(sd["num_accepted_tokens_per_pos"]) == sd["num_accepted_tokens"]
+    assert len(sd["acceptance_rate_per_pos"]) == 4 and sd["acceptance_rate_per_pos"][0] > 0
+    assert sd["mean_acceptance_length"] == pytest.approx(
+        1 + sd["num_accepted_tokens"] / sd["num_drafts"], abs=1e-5)
+    assert sd["draft_time_s"] > 0 and sd["verify_time_s"] > 0
+    label = f'model_name="{TINY_NAME}"'
+    assert f"pagedserve:spec_decode_num_drafts_total{{{label}}} {float(sd['num_drafts'])}" in metrics
+    assert (f'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}} '
+            f"{float(sd['num_accepted_tokens_per_pos'][0])}") in metrics
+    assert "pagedserve:spec_decode_verify_seconds_total" in metrics
     # 40 tokens each would take 40 steps (plus prefill) one token at a time.
     assert after["num_steps_total"] - before["num_steps_total"] < 40
 
