@@ -58,17 +58,18 @@ class DraftModel:
         self.config = config
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.hf_config = None
         self.block_size = 0
         self.vocab_size = 0
         self.device = torch.device("cpu")
+        self.dtype = torch.float32
         self.computed: dict[str, int] = {}
         self.times = DraftTimes()
 
     def load(self, target_path, target_vocab_size: int, backend: AttentionBackend,
-             max_model_len: int, num_blocks: int, block_size: int, device: torch.device,
-             dtype: torch.dtype) -> int:
-        """Load the draft next to the target (same device, dtype, attention backend, block
-        count and size). Returns its K/V bytes.
+             max_model_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Load the draft next to the target (same device, dtype, attention backend), before
+        the KV cache is sized: the budget pays for both caches (``bytes_per_block``).
 
         Raises:
             ValueError: its tokenizer differs from the target's (drafts would be other tokens).
@@ -83,15 +84,22 @@ class DraftModel:
         if cpu_gemm.can_pack(dtype, device):
             cpu_gemm.pack_linears(model)
         self.model = model.eval()
-        self.block_size = block_size
-        self.device = device
+        self.hf_config = hf_config
+        self.device, self.dtype = device, dtype
         self.vocab_size = min(hf_config.vocab_size, target_vocab_size)
-        self.kv_caches = kv_cache.allocate_kv_caches(hf_config, num_blocks, block_size, dtype,
-                                                     device)
-        nbytes = sum(t.nbytes for kv in self.kv_caches for t in kv)
         log.info("draft_model_loaded", model=str(resolved.path),
-                 layers=hf_config.num_hidden_layers, kv_cache_mib=round(nbytes / 2**20, 1))
-        return nbytes
+                 layers=hf_config.num_hidden_layers)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """The draft's K/V bytes per block (what each of the target's blocks costs on top)."""
+        return kv_cache.bytes_per_block(self.hf_config, block_size, self.dtype)
+
+    def allocate(self, num_blocks: int, block_size: int) -> int:
+        """Its K/V tensors, the target's block count and size. Returns their bytes."""
+        self.block_size = block_size
+        self.kv_caches = kv_cache.allocate_kv_caches(self.hf_config, num_blocks, block_size,
+                                                     self.dtype, self.device)
+        return sum(t.nbytes for kv in self.kv_caches for t in kv)
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)

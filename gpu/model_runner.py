@@ -94,7 +94,7 @@ class ModelInfo:
     attention_backend: str = "torch"
     quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
     source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
-    kv_cache_bytes: int = 0  # the K and V tensors allocated
+    kv_cache_bytes: int = 0  # the K and V tensors allocated (a draft model's included)
 
 
 class ModelRunner:
@@ -153,11 +153,10 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
-        self._size_kv_cache(model_bytes)
-        if self.draft is not None:  # its own K/V, the target's block count and size
+        if self.draft is not None:  # loaded first: the KV budget pays for its cache too
             self.draft.load(resolved.path, self.hf_config.vocab_size, self.attn_backend,
-                            self.max_model_len, self.num_blocks, self.block_size, self.device,
-                            self.dtype)
+                            self.max_model_len, self.device, self.dtype)
+        self._size_kv_cache(model_bytes)
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
@@ -197,12 +196,16 @@ class ModelRunner:
         activation_bytes = None
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
             activation_bytes = self._profile_activation_bytes()
+        draft_per_block = self.draft.bytes_per_block(self.block_size) if self.draft else 0
         self.num_blocks = kv_cache.num_blocks_for(
-            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes
+            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes,
+            draft_per_block,
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        if self.draft is not None:  # the same block ids, its own tensors
+            self.draft.allocate(self.num_blocks, self.block_size)
 
     def _model_info(self, resolved: loader.ResolvedModel, load_seconds: float) -> ModelInfo:
         return ModelInfo(
@@ -219,7 +222,8 @@ class ModelRunner:
             attention_backend=self.attn_backend.name,
             quantization=self.quantization or "none",
             source=str(resolved.gguf_file or resolved.path),
-            kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv),
+            kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
+            + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),
         )
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:

@@ -9,9 +9,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.gpu import kv_cache
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
 from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
@@ -93,3 +95,15 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
                          draft=DraftModelConfig(str(other), 2))
     with pytest.raises(ValueError, match="tokenizer .* differs"):
         runner.load()
+
+
+def test_the_kv_budget_pays_for_both_caches(tiny_model_dir):
+    budget = 4 * 2**20
+    runner = ModelRunner(ModelConfig(model=str(tiny_model_dir), dtype="float32",
+                                     max_model_len=64, device="cpu"),
+                         CacheConfig(kv_cache_memory_bytes=budget, block_size=16),
+                         draft=DraftModelConfig(str(tiny_model_dir), 2))
+    info = runner.load()
+    per_block = kv_cache.bytes_per_block(runner.hf_config, 16, torch.float32)
+    assert info.num_blocks == budget // (2 * per_block)
+    assert info.kv_cache_bytes == 2 * info.num_blocks * per_block <= budget

@@ -66,7 +66,8 @@ async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
         1 + sd["num_accepted_tokens"] / sd["num_drafts"], abs=1e-5)
     assert sd["draft_time_s"] > 0 and sd["verify_time_s"] > 0
     label = f'model_name="{TINY_NAME}"'
-    assert f"pagedserve:spec_decode_num_drafts_total{{{label}}} {float(sd['num_drafts'])}" in metrics
+    drafts = float(sd["num_drafts"])
+    assert f"pagedserve:spec_decode_num_drafts_total{{{label}}} {drafts}" in metrics
     assert (f'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}} '
             f"{float(sd['num_accepted_tokens_per_pos'][0])}") in metrics
     assert "pagedserve:spec_decode_verify_seconds_total" in metrics
