@@ -28,9 +28,10 @@ class SchedulerConfig:
         "help": "refuse new requests with 503 while this many wait", "default_text": "no limit",
     })
     speculative: SpeculativeConfig | None = field(default=None, metadata={
-        "help": 'n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        "help": 'speculative decoding as JSON: n-gram drafts, e.g. \'{"method": "ngram", '
                 '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
-                '"disable_by_batch_size": 8}\'',
+                '"disable_by_batch_size": 8}\', or a draft model with the same tokenizer, '
+                '\'{"method": "draft_model", "model": PATH_OR_ID, "num_speculative_tokens": 3}\'',
         "flag": "--speculative-config", "parse": parse_speculative_config,
         "default_text": "off",
     })

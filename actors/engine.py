@@ -44,7 +44,7 @@ from pagedserve.actors.structured_output import (
     StructuredOutputManager,
 )
 from pagedserve.gpu import loader
-from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
@@ -85,9 +85,12 @@ class AsyncEngine:
             loader.ModelLoadError: the model cannot be found or read.
             ValueError: settings that cannot work (e.g. ``max_model_len`` beyond the KV cache).
         """
+        spec = config.scheduler.speculative
+        draft = (DraftModelConfig(spec.model, spec.num_speculative_tokens)
+                 if spec is not None and spec.method == "draft_model" else None)
         executor = Executor(ModelRunner(
             config.model, config.cache, config.scheduler.max_num_batched_tokens,
-            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_seqs, draft,
         ))
         info = await executor.load()
         tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)

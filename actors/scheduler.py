@@ -45,6 +45,7 @@ from pagedserve.actors.stats import (
     RequestStats,
     SchedulerStats,
     StatLogger,
+    SpecDecodeStats,
     StatsSnapshot,
     StepHistory,
     StepStats,
@@ -76,8 +77,7 @@ class Scheduler(Actor):
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
-        self.num_draft_tokens = 0  # speculative decoding: drafts scored, and accepted
-        self.num_accepted_tokens = 0
+        self.spec_decode = SpecDecodeStats()  # speculative decoding's totals
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
         self.step_history = StepHistory()
@@ -276,8 +276,18 @@ class Scheduler(Actor):
         self.finished_req_ids = set()
         return so
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.spec_decode.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.spec_decode.num_accepted_tokens
+
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         self.num_steps += 1
+        self.spec_decode.draft_seconds += out.draft_seconds
+        self.spec_decode.verify_seconds += out.verify_seconds
         self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
         for sr in so.scheduled:
@@ -290,8 +300,7 @@ class Scheduler(Actor):
             accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
             request.num_computed_tokens += len(sr.token_ids) + accepted
             if sr.spec_token_ids:
-                self.num_draft_tokens += len(sr.spec_token_ids)
-                self.num_accepted_tokens += accepted
+                self.spec_decode.record(len(sr.spec_token_ids), accepted)
             if not new:
                 continue
             if request.first_token_time is None:
@@ -301,17 +310,18 @@ class Scheduler(Actor):
                 continue
             status = None
             first = not request.output_token_ids
+            logprobs = out.logprobs.get(sr.req_id)
             for i, token in enumerate(new):  # with drafts, a stop among them ends the output
                 request.output_token_ids.append(token)
                 status = advance(request, [token]) or self._check_stop(request)
                 if status is not None:
                     new = new[: i + 1]
+                    logprobs = logprobs[: i + 1] if logprobs is not None else None
                     break
             self.kv.update_block_hashes(request)
             if status is not None:
                 self._finish(request, status)
-            output = RequestOutput(new, FINISH_REASONS.get(status),
-                                   logprobs=out.logprobs.get(sr.req_id))
+            output = RequestOutput(new, FINISH_REASONS.get(status), logprobs=logprobs)
             if first:
                 output.num_cached_tokens = request.num_cached_tokens
                 if request.sampling_params.prompt_logprobs is not None:
@@ -373,6 +383,8 @@ class Scheduler(Actor):
             num_computed_tokens_total=self.num_computed_tokens_total,
             policy=self.config.policy, requests=rows,
             num_beam_forks_total=self.beams.num_forks_total,
+            spec_decode=self.spec_decode.copy(
+                self.planner.spec.seconds if self.planner.spec is not None else 0.0),
         )
         pool = self.kv.block_pool
         kv = KVCacheStats(

@@ -1,4 +1,5 @@
-"""``--speculative-config``: the settings of n-gram speculative decoding and their parser.
+"""``--speculative-config``: the settings of speculative decoding (n-gram or draft model) and
+their parser.
 
 Apart from ``spec_decode`` (which needs torch) so that building ``pagedserve serve``'s flags
 imports no tensor library: ``serve --help`` answers at once.
@@ -15,7 +16,9 @@ class SpeculativeConfig:
     """``--speculative-config``, vLLM's JSON keys.
 
     Attributes:
-        method: only ``ngram``.
+        method: ``ngram`` or ``draft_model``.
+        model: the draft model (``draft_model``): a folder, ``.gguf`` file or hub id whose
+            tokenizer is the target's.
         num_speculative_tokens: drafts per step and request at most (k).
         prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram matched.
         disable_by_batch_size: no drafts while more requests than this run (a large batch is
@@ -23,6 +26,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -42,9 +46,12 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     if unknown:
         raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
     config = SpeculativeConfig(**raw)
-    if config.method != "ngram":
+    if config.method not in ("ngram", "draft_model"):
         raise ValueError(f"--speculative-config: method {config.method!r} is not supported "
-                         "(only 'ngram')")
+                         "(choose 'ngram' or 'draft_model')")
+    if (config.method == "draft_model") != (config.model is not None):
+        raise ValueError("--speculative-config: 'model' (the draft model) goes with method "
+                         "'draft_model', and only with it")
     ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
     if not all(isinstance(getattr(config, k), int) and getattr(config, k) >= 1 for k in ints):
         raise ValueError(f"--speculative-config: {', '.join(ints)} must be integers >= 1")

@@ -1,15 +1,20 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts.
+"""Speculative decoding's scheduler side: n-gram (prompt-lookup) drafts, or slots for a draft
+model's.
 
 A decode step is bound by reading the weights, not by arithmetic: scoring a handful of guessed
 tokens costs about what scoring one does. The proposer guesses by finding the request's last
 n tokens earlier in its prompt or output and proposing what followed them there (Saxena,
 "Prompt Lookup Decoding", 2023; vLLM's ``vllm/v1/spec_decode/ngram_proposer.py``). The model
-scores the last token and the drafts in one step; for greedy requests a draft is accepted while
-it equals the model's argmax at its position, so the output is the one plain decoding gives.
+scores the last token and the drafts in one step, and the runner verifies them by rejection
+sampling (``gpu/rejection_sampler.py``), which keeps the output distribution of plain decoding
+at any temperature, with every sampling parameter (penalties, min_tokens, logprobs, seeds, and
+the grammar: a guided request's bitmask has a row per drafted position,
+``actors/structured_output.py``); greedy output is the one plain decoding gives.
 
-Only requests whose next token depends on nothing but the logits at its position are
-speculated: greedy, no penalties, no ``min_tokens``, no logprobs, no grammar. The rest decode
-one token per step as before, in the same batch.
+With ``method: draft_model`` the scheduler only decides how many drafts a decode gets (the
+same room rules) and hands the runner that many placeholder slots; the draft model, in the
+runner, fills them before the verify pass (``gpu/draft_model.py``). Guided requests get none
+there: their bitmask rows per drafted position are built here, before the drafts exist.
 
 The scheduler's side is two calls: ``NgramProposer.propose`` gives a decode its drafts (the
 step planner takes blocks for them only when they are free: a guess never preempts anyone),
@@ -20,28 +25,23 @@ request keeps, and is overwritten by the next step: rollback costs nothing.
 
 from __future__ import annotations
 
+import time
 from array import array
 
 from pagedserve.actors.request import Request
 from pagedserve.actors.spec_config import SpeculativeConfig, parse_speculative_config  # noqa: F401
 from pagedserve.gpu.batch import ScheduledRequest
-from pagedserve.gpu.sampling_params import SamplingParams
-
-
-def can_speculate(params: SamplingParams, wants_grammar: bool) -> bool:
-    """Whether drafts for this request can be verified by comparing argmaxes."""
-    return (params.greedy and not params.needs_history and params.min_tokens == 0
-            and params.logprobs is None and not wants_grammar)
 
 
 class NgramProposer:
     """Drafts for the scheduler's decodes (vLLM's ``NgramProposer``, without the Numba)."""
 
-    __slots__ = ("config", "max_model_len")
+    __slots__ = ("config", "max_model_len", "seconds")
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
+        self.seconds = 0.0  # spent proposing (the draft time of the stats)
 
     def enabled(self, num_running: int) -> bool:
         """Whether this step speculates at all (``disable_by_batch_size``)."""
@@ -51,9 +51,9 @@ class NgramProposer:
     def propose(self, request: Request, budget: int) -> list[int]:
         """n-gram drafts for a decode of ``request``, capped by ``budget`` (tokens the step has
         left after the decode itself), the output tokens still allowed and the context length;
-        ``[]`` when the request cannot be speculated."""
+        ``[]`` when nothing recurs or there is no room."""
         params = request.sampling_params
-        if not can_speculate(params, request.structured_output is not None):
+        if request.beam_group is not None:  # a beam steps one token at a time, by its rules
             return []
         room = min(self.config.num_speculative_tokens, budget,
                    self.max_model_len - request.num_tokens - 1)
@@ -61,8 +61,33 @@ class NgramProposer:
             room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
         if room <= 0:
             return []
+        start = time.perf_counter()
+        drafts = self._drafts(request, room)
+        self.seconds += time.perf_counter() - start
+        return drafts
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
         return propose_ngram(request.all_token_ids, room, self.config.prompt_lookup_max,
                              self.config.prompt_lookup_min)
+
+
+DRAFT_SLOT = 0  # a placeholder id the draft model overwrites
+
+
+class DraftModelProposer(NgramProposer):
+    """Draft slots for the runner's draft model: as many as the room allows (none for guided
+    requests)."""
+
+    __slots__ = ()
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        return [] if request.structured_output is not None else [DRAFT_SLOT] * room
+
+
+def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramProposer:
+    if config.method == "draft_model":
+        return DraftModelProposer(config, max_model_len)
+    return NgramProposer(config, max_model_len)
 
 
 def num_accepted(sr: ScheduledRequest, sampled: list[int] | None) -> int:

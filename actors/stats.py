@@ -192,13 +192,65 @@ class RequestStats:
 
 
 @dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding's running totals, as vLLM's ``spec_decode`` metrics count them
+    (``vllm/v1/spec_decode/metrics.py``).
+
+    Attributes:
+        num_drafts: verify passes of one request that had at least one draft.
+        num_draft_tokens, num_accepted_tokens: drafts scored and accepted, in tokens.
+        drafted_per_pos, accepted_per_pos: the same per draft position (0 = the first draft).
+        draft_seconds: time spent proposing (n-gram lookup in the scheduler, the draft
+            model's passes in the runner); verify_seconds: the runner's steps that verified
+            drafts (target forward and rejection sampling).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One request's verify: ``num_drafted`` drafts, the first ``num_accepted`` kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.drafted_per_pos) < num_drafted:
+            grow = num_drafted - len(self.drafted_per_pos)
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_per_pos[i] += 1
+            self.accepted_per_pos[i] += i < num_accepted
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """Share of the drafts at each position that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify pass yields on average: the accepted drafts plus the one sampled
+        (vLLM's "mean acceptance length"); 0 before any."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self, extra_draft_seconds: float = 0.0) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.drafted_per_pos), list(self.accepted_per_pos),
+                               self.draft_seconds + extra_draft_seconds, self.verify_seconds)
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """The scheduler's queues and running totals (``*_total``: since start).
 
     Attributes:
         num_waiting_for_grammar: guided requests parked while their grammar compiles.
         num_draft_tokens, num_accepted_tokens: speculative decoding's drafts scored and
-            accepted, in tokens.
+            accepted, in tokens (also in ``spec_decode``, with the rest of its figures).
         num_computed_tokens_total: tokens run through the model (prefill + decode).
         requests: the waiting and running requests, running first.
         num_beam_forks_total: beams forked by beam searches (each shares its parent's blocks
@@ -216,6 +268,7 @@ class SchedulerStats:
     policy: str
     requests: list[RequestStats] = field(default_factory=list)
     num_beam_forks_total: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.request import Request, RequestStatus
 from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue
-from pagedserve.actors.spec_decode import NgramProposer
+from pagedserve.actors.spec_decode import make_proposer
 from pagedserve.gpu.batch import ScheduledRequest
 
 
@@ -51,7 +51,7 @@ class StepPlanner:
         self.running = running
         self.preempt = preempt
         spec = config.speculative
-        self.spec = NgramProposer(spec, max_model_len) if spec is not None else None
+        self.spec = make_proposer(spec, max_model_len) if spec is not None else None
 
     def plan(self) -> list[ScheduledRequest]:
         """The step's batch: running requests first, then admissions with the budget left."""

@@ -306,16 +306,43 @@ class StructuredOutputRequest:
 def grammar_bitmask(
     scheduled: list[ScheduledRequest], requests: dict[str, Request]
 ) -> tuple[torch.Tensor | None, dict[str, int]]:
-    """The batch's bitmask: one row per guided request that samples this step, and the row of
-    each request id. ``(None, {})`` when there is none (unguided batches build nothing)."""
-    guided = [(sr.req_id, so) for sr in scheduled
+    """The batch's bitmask: one row per guided request that samples this step (``k + 1``
+    consecutive rows for one with ``k`` drafts: the grammar's state after each draft), and the
+    first row of each request id. ``(None, {})`` when there is none (unguided batches build
+    nothing)."""
+    guided = [(sr, so) for sr in scheduled
               if sr.sample and (so := requests[sr.req_id].structured_output) is not None]
     if not guided:
         return None, {}
-    bitmask = xgr.allocate_token_bitmask(len(guided), guided[0][1].vocab_size)
-    for row, (_, so) in enumerate(guided):
-        so.matcher.fill_next_token_bitmask(bitmask, row)
-    return bitmask, {req_id: row for row, (req_id, _) in enumerate(guided)}
+    num_rows = sum(len(sr.spec_token_ids) + 1 for sr, _ in guided)
+    bitmask = xgr.allocate_token_bitmask(num_rows, guided[0][1].vocab_size)
+    first: dict[str, int] = {}
+    row = 0
+    for sr, so in guided:
+        first[sr.req_id] = row
+        _fill_rows(so.matcher, bitmask, row, sr.spec_token_ids)
+        row += len(sr.spec_token_ids) + 1
+    return bitmask, first
+
+
+def _fill_rows(matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, row: int,
+               drafts: list[int]) -> None:
+    """Rows ``row .. row + len(drafts)``: the mask now and after each draft (speculative
+    decoding; vLLM's ``StructuredOutputManager.grammar_bitmask`` does the same), then roll the
+    matcher back. Past a draft the grammar refuses (or one that completes it) the rows stay
+    all-allowed: the refused draft is masked in the row before, so it is rejected there and
+    the later rows are never used."""
+    matcher.fill_next_token_bitmask(bitmask, row)
+    advanced = 0
+    for j, token in enumerate(drafts, start=1):
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        advanced += 1
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, row + j)
+    if advanced:
+        matcher.rollback(advanced)
 
 
 def advance(request: Request, new_token_ids: list[int]) -> RequestStatus | None:

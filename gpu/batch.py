@@ -160,3 +160,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Speculative decoding: seconds the draft model took, and the verify (target forward and
+    # rejection sampling), in a step that verified drafts; else 0.
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0

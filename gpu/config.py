@@ -96,3 +96,13 @@ class CacheConfig:
         "help": "block hash for prefix caching (xxhash: 128-bit xxh3, faster)",
         "choices": ("sha256", "xxhash"),
     })
+
+
+@dataclass(slots=True)
+class DraftModelConfig:
+    """The draft model of ``--speculative-config '{"method": "draft_model", ...}'`` (the
+    engine builds it from the scheduler's ``SpeculativeConfig``): what to load, and the most
+    drafts per step and request."""
+
+    model: str
+    num_speculative_tokens: int

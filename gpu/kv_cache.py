@@ -33,9 +33,10 @@ def needs_profiling(cache: CacheConfig) -> bool:
 
 def num_blocks_for(
     config: PretrainedConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
-    model_bytes: int, activation_bytes: int | None = None,
+    model_bytes: int, activation_bytes: int | None = None, extra_bytes_per_block: int = 0,
 ) -> int:
-    """How many blocks the budget holds.
+    """How many blocks the budget holds (each also costing ``extra_bytes_per_block``: a draft
+    model's K/V in the same block layout, ``gpu/draft_model.py``).
 
     CPU: ``kv_cache_memory_bytes`` (default ``$VLLM_CPU_KVCACHE_SPACE`` GiB, else 2 GiB). CUDA: ``gpu_memory_utilization`` of the
     device's memory, minus what torch holds now (the weights), the peak of the largest step
@@ -44,7 +45,7 @@ def num_blocks_for(
     """
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = bytes_per_block(config, cache.block_size, dtype)
+    per_block = bytes_per_block(config, cache.block_size, dtype) + extra_bytes_per_block
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif device.type == "cuda":

@@ -16,11 +16,13 @@ from transformers import PretrainedConfig
 from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader, memory, prompt_logprobs
 from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
-from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
+from pagedserve.gpu.draft_model import DraftModel
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
@@ -92,7 +94,7 @@ class ModelInfo:
     attention_backend: str = "torch"
     quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
     source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
-    kv_cache_bytes: int = 0  # the K and V tensors allocated
+    kv_cache_bytes: int = 0  # the K and V tensors allocated (a draft model's included)
 
 
 class ModelRunner:
@@ -107,9 +109,11 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig,
         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+        draft: DraftModelConfig | None = None,
     ):
         """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
-        step, which the CUDA path profiles (KV sizing) and captures (decode graphs)."""
+        step, which the CUDA path profiles (KV sizing) and captures (decode graphs).
+        ``draft``: a draft model for speculative decoding (``gpu/draft_model.py``)."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,6 +138,7 @@ class ModelRunner:
         # them).
         self.generators: dict[str, torch.Generator] = {}
         self.token_ids: dict[str, list[int]] = {}
+        self.draft = DraftModel(draft) if draft is not None else None
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -148,6 +153,9 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
+        if self.draft is not None:  # loaded first: the KV budget pays for its cache too
+            self.draft.load(resolved.path, self.hf_config.vocab_size, self.attn_backend,
+                            self.max_model_len, self.device, self.dtype)
         self._size_kv_cache(model_bytes)
         if self.device.type == "cpu":
             self._log_memory()
@@ -200,12 +208,16 @@ class ModelRunner:
         activation_bytes = None
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
             activation_bytes = self._profile_activation_bytes()
+        draft_per_block = self.draft.bytes_per_block(self.block_size) if self.draft else 0
         self.num_blocks = kv_cache.num_blocks_for(
-            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes
+            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes,
+            draft_per_block,
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
             self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        if self.draft is not None:  # the same block ids, its own tensors
+            self.draft.allocate(self.num_blocks, self.block_size)
 
     def _model_info(self, resolved: loader.ResolvedModel, load_seconds: float) -> ModelInfo:
         return ModelInfo(
@@ -222,7 +234,8 @@ class ModelRunner:
             attention_backend=self.attn_backend.name,
             quantization=self.quantization or "none",
             source=str(resolved.gguf_file or resolved.path),
-            kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv),
+            kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
+            + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),
         )
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:
@@ -307,11 +320,18 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
             self.token_ids.pop(req_id, None)
+            if self.draft is not None:
+                self.draft.forget(req_id)
         kv_cache.copy_blocks(self.kv_caches, so.blocks_to_copy)  # beams' copy-on-write
+        if self.draft is not None and self.draft.kv_caches:  # the draft's KV shares block ids
+            kv_cache.copy_blocks(self.draft.kv_caches, so.blocks_to_copy)
         if not so.scheduled:
             return ModelRunnerOutput({})
         if self.threads is not None:  # fewer CPU threads while another process holds a core
             self.threads.tick()
+        if self.draft is not None:
+            self._propose_drafts(so.scheduled)
+        verify_start = time.perf_counter()
         for r in so.scheduled:
             known = self.token_ids.setdefault(r.req_id, [])
             if r.prefix_token_ids is not None:
@@ -339,14 +359,15 @@ class ModelRunner:
             logits, prompt_lps = prompt_logprobs.split_logits(logits, reqs, num_rows)
         if not sampled_reqs:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
-        if so.grammar_bitmask is not None:  # one logits row per request, k + 1 with drafts
-            row_ids = [r.req_id for r in sampled_reqs for _ in range(len(r.spec_token_ids) + 1)]
-            apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
-                                  row_ids)
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(logits, so, sampled_reqs)
         if any(r.spec_token_ids for r in sampled_reqs):
-            result = self._verify_drafts(logits, sampled_reqs)
-            result.prompt_logprobs = prompt_lps
-            return result
+            out = self._verify_drafts(logits, sampled_reqs)
+            out.prompt_logprobs = prompt_lps
+            out.verify_seconds = time.perf_counter() - verify_start
+            if self.draft is not None:
+                out.draft_seconds = self.draft.times.take()
+            return out
         out = sample(logits, [self._row(r) for r in sampled_reqs])
         return ModelRunnerOutput(
             {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
@@ -354,39 +375,59 @@ class ModelRunner:
             prompt_lps,
         )
 
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, so: SchedulerOutput,
+                       reqs: list[ScheduledRequest]) -> None:
+        """Mask each guided row with its bitmask row: one logits row per request, k + 1 with
+        drafts, and a guided request with drafts has k + 1 consecutive bitmask rows from its
+        ``structured_output_request_ids`` entry (the grammar's state after each draft)."""
+        first = so.structured_output_request_ids
+        keys = [(r.req_id, j) for r in reqs for j in range(len(r.spec_token_ids) + 1)]
+        rows = {f"{rid}/{j}": first[rid] + j for rid, j in keys if rid in first}
+        apply_grammar_bitmask(logits, so.grammar_bitmask, rows, [f"{rid}/{j}" for rid, j in keys])
+
+    def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> None:
+        """The draft model fills the draft slots (placeholders from the scheduler) of the
+        decodes that have them; every request's draft K/V is reset if it was rebuilt."""
+        drafting = []
+        for r in scheduled:
+            self.draft.reset_if_rebuilt(r)
+            if r.spec_token_ids:
+                drafting.append(r)
+        if not drafting:
+            return
+        tokens = {r.req_id: self.token_ids[r.req_id][: r.num_computed_tokens] + r.token_ids
+                  for r in drafting}  # a decode's tokens: the runner has seen all before it
+        self.draft.propose(drafting, tokens)
+
     def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
-        """Sample every row (a request with k drafts has k + 1), then keep, per request, the
-        sampled tokens up to and including the first that differs from its draft.
+        """Verify every request's drafts by rejection sampling (``gpu/rejection_sampler.py``):
+        a request with k drafts has k + 1 rows, row ``j`` processed with the first ``j`` drafts
+        in its history; it gets back its accepted drafts plus one token. Requests without
+        drafts are the ``k = 0`` case: plain sampling of their one row."""
+        drafted = [DraftedRequest([self._row(r, j) for j in range(len(r.spec_token_ids) + 1)],
+                                  r.spec_token_ids) for r in reqs]
+        verified = rejection_sample(logits, drafted)
+        if self.draft is not None:
+            for r, v in zip(reqs, verified, strict=True):
+                if r.spec_token_ids:
+                    self.draft.accepted(r, len(v.token_ids) - 1)
+        return ModelRunnerOutput(
+            {r.req_id: v.token_ids for r, v in zip(reqs, verified, strict=True)},
+            {r.req_id: v.logprobs for r, v in zip(reqs, verified, strict=True)
+             if v.logprobs is not None},
+        )
 
-        Requests with drafts are greedy with no history-dependent processing (the scheduler's
-        ``can_speculate``), so row ``i`` samples exactly what plain decoding would after the
-        first ``i`` drafts: the output does not change, only the steps it takes.
-        """
-        rows = [self._row(r) for r in reqs for _ in range(len(r.spec_token_ids) + 1)]
-        out = sample(logits, rows)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list] = {}
-        i = 0
-        for r in reqs:
-            k = len(r.spec_token_ids)
-            tokens = out.token_ids[i:i + k + 1]
-            accepted = 0
-            while accepted < k and tokens[accepted] == r.spec_token_ids[accepted]:
-                accepted += 1
-            sampled[r.req_id] = tokens[:accepted + 1]
-            if out.logprobs[i] is not None:  # only requests without drafts ask (k == 0)
-                logprobs[r.req_id] = [out.logprobs[i]]
-            i += k + 1
-        return ModelRunnerOutput(sampled, logprobs)
-
-    def _row(self, r: ScheduledRequest) -> SampleRow:
+    def _row(self, r: ScheduledRequest, num_drafts: int = 0) -> SampleRow:
+        """The sampling row after ``r``'s tokens and its first ``num_drafts`` drafts."""
         p = r.sampling_params
         # Slicing the history costs a copy per step: only for rows that read it.
         tokens = self.token_ids[r.req_id] if p.needs_history or p.min_tokens else []
+        end = len(tokens) - len(r.spec_token_ids) + num_drafts
         return SampleRow(
             params=p, generator=self._generator(r),
             prompt_ids=tokens[: r.num_prompt_tokens],
-            output_ids=tokens[r.num_prompt_tokens :],
+            output_ids=tokens[r.num_prompt_tokens : end],
             stop_ids=[*self.eos_token_ids, *p.stop_token_ids] if not p.ignore_eos
             else list(p.stop_token_ids),
         )

@@ -91,9 +91,10 @@ def _needs_processing(p: SamplingParams) -> bool:
     return bool(p.logit_bias or p.min_tokens or p.needs_history)
 
 
-def _logprobs(lp_row: torch.Tensor, token: int, k: int,
-              chosen: list[int] | None = None) -> TokenLogprobs:
-    """The sampled token's entry and the top ``k`` (or, given ``chosen``, those ids')."""
+def token_logprobs(lp_row: torch.Tensor, token: int, k: int,
+                   chosen: list[int] | None = None) -> TokenLogprobs:
+    """``token``'s log-probability in ``lp_row`` ``[V]``, its rank and the top ``k`` (or,
+    given ``chosen``, those ids' entries: vLLM's ``logprob_token_ids``)."""
     value = lp_row[token]
     rank = int((lp_row > value).sum()) + 1
     if chosen:
@@ -107,16 +108,32 @@ def _logprobs(lp_row: torch.Tensor, token: int, k: int,
     )
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-    """Pick one token per row.
+@dataclass(slots=True)
+class TargetDistribution:
+    """Each row's next-token distribution once every sampling parameter is applied: what
+    ``sample`` draws from, and what the rejection sampler (``gpu/rejection_sampler.py``)
+    verifies drafts against, so both paths share one copy of the processing.
 
-    Args:
-        logits: ``[B, V]`` float32 (modified in place).
-        rows: one ``SampleRow`` per logits row.
-
-    Returns:
-        Token ids ``[B]`` and, for rows that asked, their logprobs.
+    Attributes:
+        argmax: int64 ``[B]``, the most likely token of each processed row (greedy rows' pick).
+        random_rows: the rows that sample (temperature > 0), ascending.
+        probs: float32 ``[len(random_rows), V]``, their probabilities after temperature,
+            min-p and top-k/top-p (zeros outside); ``None`` when no row samples.
+        logprob_rows: the rows that asked for logprobs, ascending.
+        logprobs: ``[len(logprob_rows), V]`` log-softmax before the min-p/top-k/top-p filters
+            (what ``SamplingParams.logprobs`` documents); ``None`` when none asked.
     """
+
+    argmax: torch.Tensor
+    random_rows: list[int]
+    probs: torch.Tensor | None
+    logprob_rows: list[int]
+    logprobs: torch.Tensor | None
+
+
+def target_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> TargetDistribution:
+    """Apply bias, min_tokens, penalties, temperature, then (sampled rows) min-p and
+    top-k/top-p to ``logits`` ``[B, V]`` float32 (modified in place), one ``SampleRow`` each."""
     params = [r.params for r in rows]
     for i, row in enumerate(rows):
         if _needs_processing(row.params):
@@ -127,21 +144,40 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
         logits[idx] = logits[idx] / temp[:, None]
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logprobs = (logits[want_lp].log_softmax(dim=-1) if want_lp else None)
-    tokens = logits.argmax(dim=-1)
-    if random_rows:
-        tokens[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
+    logprobs = logits[want_lp].log_softmax(dim=-1) if want_lp else None
+    probs = _filtered_probs(logits[idx], [params[i] for i in random_rows]) if random_rows \
+        else None
+    return TargetDistribution(logits.argmax(dim=-1), random_rows, probs, want_lp, logprobs)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[B, V]`` float32 (modified in place).
+        rows: one ``SampleRow`` per logits row.
+
+    Returns:
+        Token ids ``[B]`` and, for rows that asked, their logprobs.
+    """
+    target = target_distribution(logits, rows)
+    tokens = target.argmax
+    if target.random_rows:
+        idx = torch.tensor(target.random_rows, device=logits.device)
+        tokens[idx] = exponential_race(target.probs,
+                                       [rows[i].generator for i in target.random_rows])
     token_list = tokens.tolist()
     out_lp: list[TokenLogprobs | None] = [None] * len(rows)
-    for j, i in enumerate(want_lp):
-        out_lp[i] = _logprobs(logprobs[j], token_list[i], params[i].logprobs or 0,
-                              params[i].logprob_token_ids)
+    for j, i in enumerate(target.logprob_rows):
+        p = rows[i].params
+        out_lp[i] = token_logprobs(target.logprobs[j], token_list[i], p.logprobs or 0,
+                                   p.logprob_token_ids)
     return SamplerOutput(token_list, out_lp)
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities ``[R, V]`` of temperature-scaled ``logits`` after min-p and top-k/top-p."""
     device = logits.device
-    params = [r.params for r in rows]
     min_p = torch.tensor([p.min_p for p in params], device=device)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
@@ -151,8 +187,13 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[R, V]`` (unnormalized is fine: ``argmax(p / q)``,
+    ``q ~ Exp(1)``), row ``i``'s noise from ``generators[i]`` (``None``: the global RNG)."""
     noise = torch.empty_like(probs)
-    for i, row in enumerate(rows):
-        noise[i].exponential_(generator=row.generator)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)

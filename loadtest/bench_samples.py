@@ -50,3 +50,13 @@ def summarize(samples: list[Sample], wall: float, **extra) -> dict:
         "itl_ms": _percentiles([g for s in ok for g in s.itls]),
         "e2e_ms": _percentiles([s.e2e for s in ok]),
     }
+
+
+def acceptance_length(before: dict | None, after: dict | None) -> float | None:
+    """Speculative decoding's tokens per verify pass during a level, from pagedserve's
+    ``/admin/stats`` ``spec_decode`` totals before and after it: 1 + accepted drafts / verify
+    passes with drafts; ``None`` without drafts (or another server)."""
+    if not before or not after or after["num_drafts"] == before["num_drafts"]:
+        return None
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    return round(1 + accepted / (after["num_drafts"] - before["num_drafts"]), 3)

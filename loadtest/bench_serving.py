@@ -18,8 +18,9 @@ the server and then the baseline in one run.
 
 Datasets (``--dataset``):
   loadgen        the llama.cpp comparison workload: prompts of 20-400 words of plain English
-                 (half short, half long) under one of six tasks, 32-256 output tokens, greedy,
-                 EOS ignored; the same requests as ../shared/bench/loadgen.py for a seed.
+                 (half short, half long) under one of six tasks, 32-256 output tokens, greedy
+                 (or ``--temperature``), EOS ignored; the same requests as
+                 ../shared/bench/loadgen.py for a seed (which itself is greedy only).
   random         random words, ``--input-len`` and ``--output-len`` ranges (``lo:hi``, words
                  and tokens).
   shared-prefix  ``random`` behind one long common system prompt (``--prefix-words``).
@@ -52,7 +53,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
-from bench_samples import Sample, summarize
+from bench_samples import Sample, acceptance_length, summarize
 from noisy_neighbour import busy_neighbour, default_cpu, kept
 from workloads import BenchRequest, build_workload
 
@@ -63,8 +64,8 @@ from pagedserve.server.launch import start_server_process
 
 async def _one(client: httpx.AsyncClient, args, req: BenchRequest) -> Sample:
     body = {"model": args.model, "messages": req.messages, "max_tokens": req.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+            "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
     if args.ignore_eos:
         body["ignore_eos"] = True
     s = Sample()
@@ -117,6 +118,7 @@ async def run_server_level(args, reqs: list[BenchRequest], concurrency: int) -> 
                                  timeout=timeout, headers=headers, trust_env=False) as client:
         for _ in range(args.warmup):  # not measured
             await _one(client, args, BenchRequest([{"role": "user", "content": "Hello!"}], 8))
+        spec = await _spec_decode(client)
         sem = asyncio.Semaphore(concurrency)
 
         async def limited(req: BenchRequest) -> Sample:
@@ -131,8 +133,19 @@ async def run_server_level(args, reqs: list[BenchRequest], concurrency: int) -> 
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         samples = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        spec = acceptance_length(spec, await _spec_decode(client))
     return summarize(samples, wall, backend="server", max_concurrency=concurrency,
-                     num_prompts=len(reqs), request_rate=args.request_rate)
+                     num_prompts=len(reqs), request_rate=args.request_rate,
+                     temperature=args.temperature, acceptance_length=spec)
+
+
+async def _spec_decode(client: httpx.AsyncClient) -> dict | None:
+    """pagedserve's speculative-decoding totals (``/admin/stats``); ``None`` elsewhere."""
+    try:
+        r = await client.get(str(client.base_url).rstrip("/").removesuffix("/v1") + "/admin/stats")
+        return r.json()["scheduler"]["spec_decode"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
 
 # -- the transformers baseline ----------------------------------------------------------------
@@ -169,7 +182,9 @@ def run_hf_level(args, reqs: list[BenchRequest], batch: int, model, tok) -> dict
         start = time.perf_counter()
         kw = {"min_new_tokens": longest} if args.ignore_eos else {}
         with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=longest, do_sample=False,
+            sampling = ({"do_sample": True, "temperature": args.temperature}
+                        if args.temperature > 0 else {"do_sample": False})
+            model.generate(**enc, max_new_tokens=longest, **sampling,
                            stopping_criteria=StoppingCriteriaList([clock]),
                            pad_token_id=tok.pad_token_id, **kw)
         for r in group:
@@ -234,7 +249,8 @@ def _row(r: dict) -> str:
             f"n={r['completed']}/{r['num_prompts']} out={r['output_throughput']:7.1f} tok/s "
             f"TTFT p50/p99 {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms "
             f"ITL p50/p99 {r['itl_ms']['median']}/{r['itl_ms']['p99']} ms "
-            f"TPOT p50 {r['tpot_ms']['median']} ms E2E p50 {r['e2e_ms']['median']} ms")
+            f"TPOT p50 {r['tpot_ms']['median']} ms E2E p50 {r['e2e_ms']['median']} ms"
+            + (f" accept-len {r['acceptance_length']}" if r.get("acceptance_length") else ""))
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -284,6 +300,8 @@ def parse_args(argv=None):
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals (default: all at once)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per level")
     p.add_argument("--timeout", type=float, default=900)
@@ -360,6 +378,7 @@ def main(argv=None) -> int:
             print(_row(r), flush=True)
             results.append(r)
     report = {"dataset": args.dataset, "seed": args.seed, "ignore_eos": args.ignore_eos,
+              "temperature": args.temperature,
               "base_url": args.base_url, "results": results}
     if args.noisy_neighbour:
         report["noisy_neighbour"] = kept([r for r in results if r["backend"] == "server"])

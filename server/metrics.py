@@ -26,7 +26,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedserve.actors.stats import EngineStats, FinishedRequest, RequestUpdate, StepStats
+from pagedserve.actors.stats import (
+    EngineStats,
+    FinishedRequest,
+    RequestUpdate,
+    SpecDecodeStats,
+    StepStats,
+)
 
 PREFIX = "pagedserve:"  # the default --metrics-prefix, with its colon
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -201,11 +207,27 @@ class _SnapshotCollector(Collector):
                             kv.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.",
                             kv.prefix_cache_hits)
-        # vLLM's names: speculative decoding's drafts scored and accepted, in tokens.
+        yield from self._spec_decode(sched.spec_decode)
+
+    def _spec_decode(self, sd: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's ``spec_decode`` names (drafts, tokens, accepted per position), and the time
+        spent drafting and verifying."""
+        yield self._counter("spec_decode_num_drafts", "Verify passes of a request with drafts.",
+                            sd.num_drafts)
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens scored.",
-                            sched.num_draft_tokens)
+                            sd.num_draft_tokens)
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                            sched.num_accepted_tokens)
+                            sd.num_accepted_tokens)
+        per_pos = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, per draft position.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(sd.accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+        yield self._counter("spec_decode_draft_seconds", "Time spent proposing drafts.",
+                            sd.draft_seconds)
+        yield self._counter("spec_decode_verify_seconds",
+                            "Time of the steps that verified drafts.", sd.verify_seconds)
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])

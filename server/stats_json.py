@@ -14,6 +14,7 @@ from pagedserve.actors.stats import (
     KVCacheStats,
     RequestStats,
     SchedulerStats,
+    SpecDecodeStats,
     StepStats,
     Throughput,
 )
@@ -42,11 +43,27 @@ def scheduler_json(s: SchedulerStats) -> dict[str, Any]:
         "num_preempted_total": s.num_preemptions_total,
         "spec_decode_num_draft_tokens": s.num_draft_tokens,
         "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+        "spec_decode": spec_decode_json(s.spec_decode),
         "num_steps_total": s.num_steps_total,
         "num_computed_tokens_total": s.num_computed_tokens_total,
         "policy": s.policy,
         "num_beam_forks_total": s.num_beam_forks_total,
         "requests": [request_json(r) for r in s.requests],
+    }
+
+
+def spec_decode_json(sd: SpecDecodeStats) -> dict[str, Any]:
+    """Speculative decoding: counts, acceptance per draft position, mean tokens per verify,
+    and the time spent drafting vs verifying."""
+    return {
+        "num_drafts": sd.num_drafts,
+        "num_draft_tokens": sd.num_draft_tokens,
+        "num_accepted_tokens": sd.num_accepted_tokens,
+        "num_accepted_tokens_per_pos": list(sd.accepted_per_pos),
+        "acceptance_rate_per_pos": [round(r, 6) for r in sd.acceptance_rate_per_pos],
+        "mean_acceptance_length": round(sd.mean_acceptance_length, 6),
+        "draft_time_s": round(sd.draft_seconds, 6),
+        "verify_time_s": round(sd.verify_seconds, 6),
     }
 
 

@@ -84,6 +84,19 @@ function renderConfig(snap) {
   $("config").replaceChildren(...nodes);
 }
 
+// Speculative decoding: mean tokens per verify pass, acceptance per draft position, and
+// drafting vs verifying time ("off" until a draft was scored).
+function renderSpecDecode(sd) {
+  if (!sd || !sd.num_drafts) {
+    text("spec-mean-len", "off");
+    return;
+  }
+  text("spec-mean-len", sd.mean_acceptance_length.toFixed(2));
+  const rates = sd.acceptance_rate_per_pos.map((r) => `${(r * 100).toFixed(0)}%`);
+  text("spec-per-pos", `accepted by position: ${rates.join(" · ")}`);
+  text("spec-times", `draft ${sd.draft_time_s.toFixed(2)} s · verify ${sd.verify_time_s.toFixed(2)} s`);
+}
+
 function onSnapshot(snap) {
   const s = snap.scheduler;
   const kv = snap.kv_cache;
@@ -99,6 +112,7 @@ function onSnapshot(snap) {
   text("hit-rate", `${(kv.prefix_cache_hit_rate * 100).toFixed(1)}%`);
   text("cached-blocks", `${kv.num_cached_blocks} cached blocks`);
   text("num-steps", s.num_steps_total);
+  renderSpecDecode(s.spec_decode);
   charts.queues.push(t, [s.num_running, s.num_waiting]);
   charts.kv.push(t, [kv.usage * 100]);
   charts.tps.push(t, [tp.prompt_tokens_per_s, tp.generation_tokens_per_s]);

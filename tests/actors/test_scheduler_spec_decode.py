@@ -25,6 +25,9 @@ def test_drafts_accepted_advance_the_request_and_rejected_ones_roll_back():
     sched.update_from_output(so, ModelRunnerOutput({"a": [8, 9]}))
     assert a.output_token_ids == [7, 8, 9] and a.num_computed_tokens == 8
     assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (3, 1)
+    sd = sched.stats().scheduler.spec_decode
+    assert (sd.num_drafts, sd.drafted_per_pos, sd.accepted_per_pos) == (1, [1, 1, 1], [1, 0, 0])
+    assert sd.acceptance_rate_per_pos == [1.0, 0.0, 0.0] and sd.mean_acceptance_length == 2.0
     assert outputs(a) == [([7], None), ([8, 9], None)]
     sr = sched.schedule().scheduled[0]  # positions 8, 9 held drafts 5, 6: overwritten now
     assert (sr.token_ids, sr.num_computed_tokens, sr.spec_token_ids) == ([9], 8, [])

@@ -21,7 +21,12 @@ def test_propose_ngram_takes_the_longest_latest_match():
 def test_parse_speculative_config():
     assert parse_speculative_config('{"num_speculative_tokens": 5}') == SpeculativeConfig(
         num_speculative_tokens=5)
-    for bad, why in [('{"method": "eagle"}', "only 'ngram'"), ("[1]", "object"),
+    assert parse_speculative_config(
+        '{"method": "draft_model", "model": "m", "num_speculative_tokens": 2}'
+    ) == SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=2)
+    for bad, why in [('{"method": "eagle"}', "'ngram' or 'draft_model'"), ("[1]", "object"),
+                     ('{"method": "draft_model"}', "'model'"),
+                     ('{"method": "ngram", "model": "m"}', "'model'"),
                      ('{"num_speculative_tokens": 0}', ">= 1"), ("{oops", "not JSON"),
                      ('{"prompt_lookup_min": 5}', "prompt_lookup_min >"),
                      ('{"draft_model": "x"}', "unknown keys"),

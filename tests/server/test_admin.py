@@ -209,7 +209,11 @@ async def test_stats_json_shape(client):
     assert set(s["scheduler"]) == {
         "num_waiting", "num_waiting_for_grammar", "num_running", "num_preempted_total",
         "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",
-        "num_computed_tokens_total", "policy", "requests", "num_beam_forks_total"}
+        "num_computed_tokens_total", "policy", "requests", "num_beam_forks_total",
+        "spec_decode"}
+    assert set(s["scheduler"]["spec_decode"]) == {
+        "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+        "acceptance_rate_per_pos", "mean_acceptance_length", "draft_time_s", "verify_time_s"}
     assert set(s["scheduler"]["requests"][0]) == {
         "id", "state", "priority", "prompt_tokens", "output_tokens", "num_computed_tokens",
         "num_blocks", "cached_tokens", "num_preemptions", "age_s", "ttft_s"}

@@ -5,6 +5,7 @@ end the output exactly; bad configs are refused."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from pagedserve.actors.spec_decode import SpeculativeConfig
 from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats
 
+GUIDE = "(fox jumps over dog ){4}"
 REPEAT = ("Repeat this line four times: the quick brown fox jumps over the lazy dog. "
           "the quick brown fox jumps over the lazy dog.")
 
@@ -21,7 +23,7 @@ def test_cli_refuses_a_bad_speculative_config():
     r = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "serve", "--speculative-config",
                         '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "--speculative-config" in r.stderr and "only 'ngram'" in r.stderr
+    assert "--speculative-config" in r.stderr and "'ngram' or 'draft_model'" in r.stderr
 
 
 async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
@@ -32,11 +34,15 @@ async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
         before = (await stats(client))["scheduler"]
         bodies = await asyncio.gather(*(chat(client, p, max_tokens=40) for p in prompts))
         after = (await stats(client))["scheduler"]
-        # Beside greedy ones: a sampled request and one with logprobs (neither gets drafts).
+        # Beside greedy ones: a sampled request, one with logprobs, a guided one (all drafted
+        # too: the guided one's drafts are masked per position, else its grammar would refuse
+        # a token and end it with an error).
         mixed = await asyncio.gather(
             chat(client, REPEAT, max_tokens=40), chat(client, REPEAT, max_tokens=40,
                                                       temperature=1.0, seed=3),
-            chat(client, REPEAT, max_tokens=40, logprobs=True))
+            chat(client, REPEAT, max_tokens=40, logprobs=True),
+            chat(client, REPEAT, max_tokens=60, temperature=0.8, seed=1,
+                 guided_regex=GUIDE))
         idle = (await stats(client))["scheduler"]
         metrics = (await client.get("/metrics")).text
     for body, want in zip([*bodies, mixed[0]], [*wants, wants[0]], strict=True):
@@ -44,12 +50,27 @@ async def test_tiny_greedy_equals_hf_with_fewer_steps(tiny_model_dir):
         assert tokens == want[: len(tokens)] and len(tokens) == min(40, len(want))
     assert len(mixed[1]["choices"][0]["token_ids"]) == 40
     assert len(mixed[2]["choices"][0]["logprobs"]["content"]) == 40
+    guided = mixed[3]["choices"][0]
+    assert guided["finish_reason"] == "stop" and re.fullmatch(GUIDE, guided["message"]["content"])
     assert idle["num_running"] == idle["num_waiting"] == 0
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     assert 0 < accepted <= drafted
     assert (f"pagedserve:spec_decode_num_accepted_tokens_total{{model_name=\"{TINY_NAME}\"}} "
             f"{float(idle['spec_decode_num_accepted_tokens'])}") in metrics
+    sd = idle["spec_decode"]
+    assert sd["num_accepted_tokens"] == idle["spec_decode_num_accepted_tokens"]
+    assert sum(sd["num_accepted_tokens_per_pos"]) == sd["num_accepted_tokens"]
+    assert len(sd["acceptance_rate_per_pos"]) == 4 and sd["acceptance_rate_per_pos"][0] > 0
+    assert sd["mean_acceptance_length"] == pytest.approx(
+        1 + sd["num_accepted_tokens"] / sd["num_drafts"], abs=1e-5)
+    assert sd["draft_time_s"] > 0 and sd["verify_time_s"] > 0
+    label = f'model_name="{TINY_NAME}"'
+    drafts = float(sd["num_drafts"])
+    assert f"pagedserve:spec_decode_num_drafts_total{{{label}}} {drafts}" in metrics
+    assert (f'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}} '
+            f"{float(sd['num_accepted_tokens_per_pos'][0])}") in metrics
+    assert "pagedserve:spec_decode_verify_seconds_total" in metrics
     # 40 tokens each would take 40 steps (plus prefill) one token at a time.
     assert after["num_steps_total"] - before["num_steps_total"] < 40
 
