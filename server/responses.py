@@ -18,6 +18,8 @@ from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.request_stream import GenerationDelta, RequestStream, close_all
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
+from pagedserve.server.tool_calling import finish_reason, shape_message
+from pagedserve.server.tool_parsers import ToolParser
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +57,7 @@ class ResponseBuilder:
     prompt_token_ids: list[int] | None  # set when the client asked for token ids
     num_prompt_tokens: int
     echo: str | None = None
+    tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the text
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def envelope(self, choices: list[dict], chunk: bool, first: bool = False) -> dict:
@@ -183,6 +186,7 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
     closes the streams and so aborts the requests."""
     n = len(streams)
     tally = _Tally(n)
+    tools = [builder.tool_parser.streamer() for _ in range(n)] if builder.tool_parser else []
     pending: list[list[int]] = [[] for _ in range(n)]  # tokens whose text is held back
     pending_lp: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     usage_field = include_usage or continuous_usage
@@ -207,10 +211,18 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
                 pending_lp[i].extend(d.logprobs)
             offset = len(tally.texts[i])
             tally.add(i, d)
-            if not d.text and d.finish_reason is None:
+            text, finish, calls = d.text, d.finish_reason, None
+            if tools:  # content and call pieces the tool parser can tell apart by now
+                step = tools[i].feed(d.text, final=finish is not None)
+                text, calls = step.content, step.tool_calls
+                finish = finish_reason(finish, tools[i].num_calls > 0)
+            if not text and not calls and finish is None:
                 continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-            yield chunk([builder.choice(i, d.text, d.finish_reason, pending[i],
-                                        pending_lp[i] or None, chunk=True, offset=offset)])
+            c = builder.choice(i, text, finish, pending[i], pending_lp[i] or None, chunk=True,
+                               offset=offset)
+            if calls:
+                c["delta"]["tool_calls"] = calls
+            yield chunk([c])
             pending[i], pending_lp[i] = [], []
         if include_usage:
             body = builder.envelope([], chunk=True)
@@ -250,6 +262,9 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
     echo = builder.echo or ""
     choices = [builder.choice(i, echo + tally.texts[i], tally.finish[i], token_ids[i],
                               lps[i] or None, chunk=False, offset=len(echo)) for i in range(n)]
+    for i, c in enumerate(choices if builder.tool_parser else []):
+        called = shape_message(c["message"], builder.tool_parser, tally.texts[i])
+        c["finish_reason"] = finish_reason(c["finish_reason"], called)
     body = builder.envelope(choices, chunk=False)
     body["usage"] = builder.usage(sum(tally.tokens))
     on_done(tally.summary())

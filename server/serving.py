@@ -27,6 +27,15 @@ from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
+from pagedserve.server.tool_calling import (
+    ToolPlan,
+    check_tool_schemas,
+    keeps_special_tokens,
+    plan_tools,
+    template_messages,
+    uses_tools,
+)
+from pagedserve.server.tool_template import tool_template
 from pagedserve.server.responses import (
     OnDone,
     RequestSummary,
@@ -54,6 +63,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
+        self.tool_chat_template = tool_template(self.tokenizer, config.chat_template)
 
     # -- shared validation -------------------------------------------------------------------
 
@@ -98,11 +108,17 @@ class Serving:
         )
 
     async def _structured_outputs(
-        self, body: Any, params: SamplingParams,
+        self, body: Any, params: SamplingParams, tools: ToolPlan | None = None,
     ) -> CompiledConstraint | None:
         """Attach the request's guided-decoding constraint, compiled now so that a bad one is a
-        400 before any stream starts; the compiled grammar goes on to ``add_request``."""
+        400 before any stream starts; the compiled grammar goes on to ``add_request``. A
+        forced tool call's constraint is one too (and excludes any other)."""
         spec, param = body.structured_outputs_params()
+        if tools is not None and tools.constraint is not None:
+            if spec is not None:
+                raise OpenAIError(f"{param} cannot be combined with a forced tool_choice",
+                                  param=param)
+            spec, param = tools.constraint, "tool_choice"
         if spec is None:
             return None
         try:
@@ -150,12 +166,15 @@ class Serving:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    kwargs: dict[str, Any] | None = None) -> str:
+                    kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None, with_tools: bool = False) -> str:
+        """``with_tools``: the conversation has tools or tool turns (see ``tool_template``)."""
+        template = self.tool_chat_template if with_tools else self.config.chat_template
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=self.config.chat_template, **(kwargs or {}),
+                continue_final_message=continue_final_message, tools=tools,
+                chat_template=template, **(kwargs or {}),
             )
         except Exception as e:  # jinja raises for roles/orders the template rejects
             raise OpenAIError(f"chat template failed: {e}", param="messages") from e
@@ -165,14 +184,22 @@ class Serving:
     async def chat(self, request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         self.check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = self.chat_prompt(messages, body.add_generation_prompt,
-                                  body.continue_final_message, body.chat_template_kwargs)
+        tools = plan_tools(body, self.config.tool_call_parser,
+                           self.config.enable_auto_tool_choice)
+        if tools is not None:
+            await check_tool_schemas(body.tools or [], self.engine.compile_grammar)
+        prompt = self.chat_prompt(template_messages(body.messages), body.add_generation_prompt,
+                                  body.continue_final_message, body.chat_template_kwargs,
+                                  tools=tools.tools if tools else None,
+                                  with_tools=tools is not None or uses_tools(body.messages))
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)
-        return await self._respond(request, body, prompt, prompt_ids, params, chat=True)
+        if tools is not None and keeps_special_tokens(tools.parser, self.tokenizer):
+            params.skip_special_tokens = False
+        return await self._respond(request, body, prompt, prompt_ids, params, chat=True,
+                                   tools=tools)
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
@@ -186,8 +213,9 @@ class Serving:
                                    echo=prompt_text if body.echo else None)
 
     async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
-                       params: SamplingParams, chat: bool, echo: str | None = None):
-        grammar = await self._structured_outputs(body, params)
+                       params: SamplingParams, chat: bool, echo: str | None = None,
+                       tools: ToolPlan | None = None):
+        grammar = await self._structured_outputs(body, params, tools)
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
         streams = await self._start(request_id, prompt_ids, params, body, grammar)
         builder = ResponseBuilder(
@@ -195,6 +223,7 @@ class Serving:
             model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,
             prompt_token_ids=prompt_ids if body.return_token_ids else None,
             num_prompt_tokens=len(prompt_ids), echo=echo,
+            tool_parser=tools.parser if tools else None,
         )
         on_done = self._logger(request_id, prompt, len(prompt_ids))
         headers = {"X-Request-Id": request_id}

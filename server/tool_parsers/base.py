@@ -77,9 +77,18 @@ class ToolParser:
     name: ClassVar[str] = ""
     special_markers: ClassVar[tuple[str, ...]] = ()
 
+    def __init__(self, max_calls: int | None = None):
+        self.max_calls = max_calls  # 1 for parallel_tool_calls: false; later calls dropped
+
     def parse(self, text: str, final: bool) -> Parsed:
         """The output ``text`` so far (``final``: it is all). Raises ``MalformedCall``."""
         raise NotImplementedError
+
+    def parse_limited(self, text: str, final: bool) -> Parsed:
+        parsed = self.parse(text, final)
+        if self.max_calls is not None:
+            del parsed.calls[self.max_calls:]
+        return parsed
 
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -87,7 +96,7 @@ class ToolParser:
     def extract(self, text: str) -> Extracted:
         """The whole output as content and calls; a malformed call makes it all content."""
         try:
-            parsed = self.parse(text, final=True)
+            parsed = self.parse_limited(text, final=True)
         except MalformedCall:
             return Extracted(text, [])
         if not parsed.calls:
@@ -126,7 +135,7 @@ class ToolCallStreamer:
         if self.failed:
             return self._as_content()
         try:
-            parsed = self.parser.parse(self.text, final)
+            parsed = self.parser.parse_limited(self.text, final)
         except MalformedCall:
             self.failed = True
             return self._as_content()

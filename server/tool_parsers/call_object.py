@@ -10,7 +10,13 @@ import json
 import re
 
 from pagedserve.server.tool_parsers.base import MalformedCall, PartialCall
-from pagedserve.server.tool_parsers.json_scan import _bracket_end, scan_value, skip_ws
+from pagedserve.server.tool_parsers.json_scan import (
+    _bracket_end,
+    escape_controls,
+    loads,
+    scan_value,
+    skip_ws,
+)
 
 # The name first, then the arguments' key: the order models write (and the constrained output
 # always has), which lets the arguments stream before the object is complete.
@@ -40,12 +46,12 @@ def scan_call(text: str, pos: int, arg_keys: tuple[str, ...],
     value = scan_value(text, m.end())
     if value is None or text[value.start] not in "{[":
         return PartialCall(name, ""), None  # a non-object value is checked once complete
-    return PartialCall(name, text[value.start:value.streamable]), None
+    return PartialCall(name, escape_controls(text[value.start:value.streamable])), None
 
 
 def _complete(text: str, start: int, end: int, arg_keys: tuple[str, ...]) -> PartialCall:
     try:
-        obj = json.loads(text[start:end])
+        obj = loads(text[start:end])
     except ValueError as e:
         raise MalformedCall(f"a call is not valid JSON: {e}") from e
     name = obj.get("name") if isinstance(obj, dict) else None
@@ -55,7 +61,7 @@ def _complete(text: str, start: int, end: int, arg_keys: tuple[str, ...]) -> Par
     args = obj[keys[0]]
     if isinstance(args, str):  # arguments sent as JSON text
         try:
-            args = json.loads(args)
+            args = loads(args)
         except ValueError as e:
             raise MalformedCall("the arguments text is not JSON") from e
     if not isinstance(args, dict):
@@ -64,7 +70,7 @@ def _complete(text: str, start: int, end: int, arg_keys: tuple[str, ...]) -> Par
     if m is not None and m.group(2) == keys[0]:
         value = scan_value(text, m.end())
         if value is not None and value.end is not None and text[value.start] == "{":
-            return PartialCall(name, text[value.start:value.end], done=True)
+            return PartialCall(name, escape_controls(text[value.start:value.end]), done=True)
     return PartialCall(name, json.dumps(args, ensure_ascii=False), done=True)
 
 

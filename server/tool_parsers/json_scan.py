@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pagedserve.server.tool_parsers.base import MalformedCall
 
 _WS = re.compile(r"\s*")
-_DECODER = json.JSONDecoder()
+# Not strict: control characters inside strings are read (and escaped by ``escape_controls``).
+_DECODER = json.JSONDecoder(strict=False)
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,3 +87,33 @@ def scan_value(text: str, pos: int) -> JsonValue | None:
     if n >= len(text) and text[start] not in '"tfn':
         return JsonValue(start, None, start)  # a number may still grow
     return JsonValue(start, n, n)
+
+
+def loads(text: str):
+    """``json.loads`` that also reads control characters inside strings."""
+    return _DECODER.decode(text)
+
+
+def escape_controls(raw: str) -> str:
+    """JSON text with the raw control characters inside its strings written as ``\\u00XX``
+    (a grammar's string rule may let a model write them; strict JSON readers refuse them). A
+    character's escape depends only on what precedes it, so the escaped text of a prefix is a
+    prefix of the escaped whole: streamed pieces still add up."""
+    if not _CONTROL.search(raw):
+        return raw
+    out, in_string, escape = [], False, False
+    for ch in raw:
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+            elif ch < " ":
+                out.append(f"\\u{ord(ch):04x}")
+                continue
+        elif ch == '"':
+            in_string = True
+        out.append(ch)
+    return "".join(out)

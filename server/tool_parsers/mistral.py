@@ -25,6 +25,12 @@ class JsonArrayToolParser(ToolParser):
     name: ClassVar[str] = "json_array"
     marker: ClassVar[str] = ""
 
+    def __init__(self, max_calls: int | None = None, lenient: bool = False):
+        super().__init__(max_calls)
+        # Lenient: an output cut short (max_tokens) keeps the calls begun, as they streamed;
+        # for forced calls, where the grammar leaves no other reading.
+        self.lenient = lenient
+
     def parse(self, text: str, final: bool) -> Parsed:
         idx = text.find(self.marker) if self.marker else 0
         if idx < 0:
@@ -38,7 +44,7 @@ class JsonArrayToolParser(ToolParser):
         if text[pos] != "[":
             raise MalformedCall("the calls are not a JSON array")
         parsed.calls, end = scan_calls(text, pos + 1, ("arguments",), ",", "]")
-        if final and end is None:
+        if final and end is None and not self.lenient:
             raise MalformedCall("the array of calls is not closed")
         return parsed
 
