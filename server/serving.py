@@ -115,10 +115,11 @@ class Serving:
         forced tool call's constraint is one too (and excludes any other)."""
         spec, param = body.structured_outputs_params()
         if tools is not None and tools.constraint is not None:
-            if spec is not None:
+            if spec is not None and tools.forced:
                 raise OpenAIError(f"{param} cannot be combined with a forced tool_choice",
                                   param=param)
-            spec, param = tools.constraint, "tool_choice"
+            if spec is None:
+                spec, param = tools.constraint, "tool_choice"
         if spec is None:
             return None
         try:

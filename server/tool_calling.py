@@ -7,7 +7,10 @@ The four choices:
 
 * ``none``: the tools are rendered in the prompt, the output is plain content.
 * ``auto``: the model decides; ``--tool-call-parser`` reads its calls out of the text (needs
-  ``--enable-auto-tool-choice``, else a 400 that names both flags, as vLLM answers).
+  ``--enable-auto-tool-choice``, else a 400 that names both flags, as vLLM answers). Where the
+  format has a structural tag (hermes, llama3_json), the text is free until the model opens a
+  call, and the call is then constrained like a forced one (``tool_parsers.structural``); a
+  request's own ``response_format`` (or other constraint) takes the place of that one.
 * ``required``: the output is constrained (xgrammar, a JSON schema built from the tools'
   parameter schemas) to a JSON array of one or more calls,
   ``[{"name": ..., "arguments": {...}}]`` (one call at most with ``parallel_tool_calls:
@@ -45,14 +48,18 @@ class ToolPlan:
     Attributes:
         mode: the effective ``tool_choice``.
         tools: the definitions as the chat template takes them (OpenAI's dicts).
-        constraint: the grammar forcing a valid call (``required`` and named), else ``None``.
+        constraint: the grammar making calls valid (``required``, named, auto where the
+            format allows), else ``None``.
         parser: reads calls out of the output; ``None`` for ``none`` (content only).
+        forced: the constraint is the request's meaning (``required``, named), so another
+            constraint in the request is a conflict; in auto mode it yields to one.
     """
 
     mode: Mode
     tools: list[dict[str, Any]]
     constraint: StructuredOutputsParams | None
     parser: ToolParser | None
+    forced: bool = True
 
 
 def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
@@ -76,9 +83,12 @@ def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                 "to be set on the server (or send tool_choice \"required\", a named function, "
                 'or "none")', param="tool_choice")
-        return ToolPlan("auto", defs, None, TOOL_PARSERS[parser_name](max_calls=max_calls))
+        parser = TOOL_PARSERS[parser_name](max_calls=max_calls)
+        tag = parser.structural_tag([(t.function.name, parameters_of(t)) for t in tools])
+        constraint = None if tag is None else StructuredOutputsParams(structural_tag=tag)
+        return ToolPlan("auto", defs, constraint, parser, forced=False)
     if choice == "none":
-        return ToolPlan("none", defs, None, None)
+        return ToolPlan("none", defs, None, None, forced=False)
     if choice == "required":
         schema = required_schema(tools, body.parallel_tool_calls)
         return ToolPlan("required", defs, compact_json(schema),

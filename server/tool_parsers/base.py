@@ -93,6 +93,12 @@ class ToolParser:
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
+    def structural_tag(self, tools: list[tuple[str, dict[str, Any]]]) -> str | None:
+        """An xgrammar structural tag (JSON text) that constrains each call once the model
+        starts one (see ``structural``), for ``tools`` as ``(name, parameters schema)``;
+        ``None`` when the format has none (the calls are then only parsed)."""
+        return None
+
     def extract(self, text: str) -> Extracted:
         """The whole output as content and calls; a malformed call makes it all content."""
         try:

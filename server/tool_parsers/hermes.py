@@ -10,18 +10,23 @@ between and after blocks is not kept.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pagedserve.server.tool_parsers.base import MalformedCall, Parsed, ToolParser
 from pagedserve.server.tool_parsers.call_object import scan_call
 from pagedserve.server.tool_parsers.json_scan import skip_ws
 from pagedserve.server.tool_parsers.plain_text import text_before
+from pagedserve.server.tool_parsers.structural import triggered_calls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesToolParser(ToolParser):
     name: ClassVar[str] = "hermes"
+
+    def structural_tag(self, tools: list[tuple[str, dict[str, Any]]]) -> str | None:
+        return triggered_calls(OPEN, OPEN + '\n{{"name": {name}, "arguments": ',
+                               "}\n" + CLOSE, tools, self.max_calls)
 
     def parse(self, text: str, final: bool) -> Parsed:
         idx = text.find(OPEN)

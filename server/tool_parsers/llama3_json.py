@@ -8,11 +8,12 @@ An answer that does not start with ``{`` is content.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pagedserve.server.tool_parsers.base import MalformedCall, Parsed, ToolParser
 from pagedserve.server.tool_parsers.call_object import scan_calls
 from pagedserve.server.tool_parsers.json_scan import skip_ws
+from pagedserve.server.tool_parsers.structural import triggered_calls
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -20,6 +21,10 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     name: ClassVar[str] = "llama3_json"
     special_markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
+
+    def structural_tag(self, tools: list[tuple[str, dict[str, Any]]]) -> str | None:
+        return triggered_calls('{"name": ', '{{"name": {name}, "parameters": ', "}", tools,
+                               self.max_calls)
 
     def parse(self, text: str, final: bool) -> Parsed:
         start = skip_ws(text, 0)

@@ -162,3 +162,14 @@ def test_required_output_array():
 def test_mistral_ids_fit_its_template():
     call = TOOL_PARSERS["mistral"]().extract('[TOOL_CALLS][{"name": "f", "arguments": {}}]')
     assert len(call.calls[0].id) == 9 and call.calls[0].id.isalnum()
+
+
+def test_control_characters_in_strings_come_out_escaped():
+    # A grammar's string rule can let a model write a raw control character; clients read the
+    # arguments with strict JSON, so they come out escaped, the same whole and streamed.
+    text = '[{"name": "a", "arguments": {"s": "x\x00y\ty"}}]'
+    parser = JsonArrayToolParser()
+    name, args = whole(parser, text)[1][0]
+    assert json.loads(args) == {"s": "x\x00y\ty"} and "\x00" not in args
+    for cut in range(len(text) + 1):
+        assert streamed(parser, [text[:cut], text[cut:]])[:2] == whole(parser, text)

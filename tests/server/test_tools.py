@@ -233,3 +233,49 @@ async def test_auto_without_a_parser_names_the_flags(tiny_model_dir):
         r = await http.post("/v1/chat/completions", json={
             "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"]
+
+
+@pytest.mark.parametrize(("parser", "prefix", "good", "bad"), [
+    ("hermes", 'Let me set that. <tool_call>\n{"name": "set_mode", "arguments": {"mode": "',
+     'eco", "level": 2}}\n</tool_call> Done.', 'turbo"'),
+    ("hermes", "Let me set that. <tool_call>\n", '{"name": "set_mode", "arguments": ',
+     '{"name": "launch_rockets"'),
+    ("llama3_json", 'Sure. {"name": ', '"set_mode", "parameters": {"mode": "eco", "level": 2}}',
+     '"launch_rockets"'),
+])
+async def test_auto_calls_are_constrained_once_opened(tiny_model_dir, parser, prefix, good,
+                                                      bad):
+    """The auto-mode grammar, compiled as the server compiles it, lets text through, then holds
+    an opened call to the tools' schemas: an unknown tool or a value outside the schema cannot
+    be written, a valid call can, and text may follow it."""
+    import xgrammar as xgr
+
+    from pagedserve.actors.structured_output import StructuredOutputManager
+    from pagedserve.gpu.sampling_params import StructuredOutputsParams
+    from pagedserve.server.tool_calling import parameters_of
+    from pagedserve.server.tool_parsers import TOOL_PARSERS
+    from pagedserve.server.tool_protocol import ToolDefinition
+
+    tools = [ToolDefinition.model_validate(t) for t in TOOLS]
+    tag = TOOL_PARSERS[parser]().structural_tag(
+        [(t.function.name, parameters_of(t)) for t in tools])
+    tok = hf_tokenizer(str(tiny_model_dir))
+    manager = StructuredOutputManager(tok, 49152, [tok.eos_token_id])
+    try:
+        grammar = (await manager.compile(StructuredOutputsParams(structural_tag=tag))).future
+        for text, accepted in ((good, True), (bad, False)):
+            matcher = xgr.GrammarMatcher(grammar.result())
+            assert matcher.accept_string(prefix)
+            assert matcher.accept_string(text) is accepted, text
+    finally:
+        manager.shutdown()
+
+
+async def test_auto_mode_generates_under_its_grammar(client):
+    r = await client.chat.completions.create(
+        model=TINY_NAME, messages=ASK, tools=TOOLS, n=4, temperature=1.0, seed=19,
+        max_tokens=40)
+    for choice in r.choices:  # text, or calls that validate: never a broken call
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        if choice.message.tool_calls:
+            assert_valid(choice.message.tool_calls)
