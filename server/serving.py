@@ -27,6 +27,14 @@ from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
+from pagedserve.server.responses import (
+    OnDone,
+    RequestSummary,
+    ResponseBuilder,
+    collect,
+    sse_events,
+    until_disconnect,
+)
 from pagedserve.server.tool_calling import (
     ToolPlan,
     check_tool_schemas,
@@ -36,14 +44,6 @@ from pagedserve.server.tool_calling import (
     uses_tools,
 )
 from pagedserve.server.tool_template import tool_template
-from pagedserve.server.responses import (
-    OnDone,
-    RequestSummary,
-    ResponseBuilder,
-    collect,
-    sse_events,
-    until_disconnect,
-)
 
 log = structlog.get_logger(__name__)
 

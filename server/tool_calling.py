@@ -93,7 +93,8 @@ def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
         schema = required_schema(tools, body.parallel_tool_calls)
         return ToolPlan("required", defs, compact_json(schema),
                         JsonArrayToolParser(max_calls=max_calls, lenient=True))
-    assert isinstance(choice, NamedToolChoice)  # pydantic admits nothing else
+    if not isinstance(choice, NamedToolChoice):  # pydantic admits nothing else
+        raise OpenAIError(f"tool_choice: {choice!r} is not a valid choice", param="tool_choice")
     named = next((t for t in tools if t.function.name == choice.function.name), None)
     if named is None:
         raise OpenAIError(f"tool_choice: no tool named {choice.function.name!r} in tools",

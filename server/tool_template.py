@@ -22,50 +22,33 @@ HERMES_CHATML = """\
 {%- else -%}
   {%- set system = 'You are a helpful assistant.' -%}{%- set rest = messages -%}
 {%- endif -%}
-<|im_start|>system
-{{ system }}
-{%- if tools %}
-
-# Tools
-
-You can call functions to help with the user's request. Their signatures, as JSON, inside \
-<tools></tools>:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-
-To call a function, answer with one block per call, each holding a JSON object with the \
-function's name and arguments:
-<tool_call>
-{"name": <function name>, "arguments": <arguments as a JSON object>}
-</tool_call>
-{%- endif %}<|im_end|>
-{% for message in rest -%}
-{%- if message.role == 'assistant' -%}
-<|im_start|>assistant
-{%- if message.content %}
-{{ message.content }}
-{%- endif %}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' -%}
-<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else -%}
-<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif -%}
+{{- '<|im_start|>system\\n' + system -}}
+{%- if tools -%}
+  {{- '\\n\\n# Tools\\n\\nYou can call functions to help with the user\\'s request. Their '
+      'signatures, as JSON, inside <tools></tools>:\\n<tools>' -}}
+  {%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
+  {{- '\\n</tools>\\n\\nTo call a function, answer with one block per call, each holding a '
+      'JSON object with the function\\'s name and arguments:\\n<tool_call>\\n{\\"name\\": '
+      '<function name>, \\"arguments\\": <arguments as a JSON object>}\\n</tool_call>' -}}
+{%- endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- for message in rest -%}
+  {%- if message.role == 'assistant' -%}
+    {{- '<|im_start|>assistant\\n' + (message.content or '') -}}
+    {%- for call in message.tool_calls or [] -%}
+      {%- if message.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}
+      {{- '<tool_call>\\n{\\"name\\": ' + (call.function.name | tojson) + ', \\"arguments\\": '
+          + (call.function.arguments | tojson) + '}\\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\\n' -}}
+  {%- elif message.role == 'tool' -%}
+    {{- '<|im_start|>user\\n<tool_response>\\n' + message.content
+        + '\\n</tool_response><|im_end|>\\n' -}}
+  {%- else -%}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
+  {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
-<|im_start|>assistant
-{% endif -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
 """
 
 

@@ -108,7 +108,8 @@ def _literal(node: ast.expr) -> Any:
         if any(not isinstance(k, ast.Constant) or not isinstance(k.value, str)
                for k in node.keys):
             raise MalformedCall("dict keys must be strings")
-        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}  # type: ignore
+        pairs = zip(node.keys, node.values, strict=True)
+        return {k.value: _literal(v) for k, v in pairs}  # type: ignore[union-attr]
     if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
             and isinstance(node.operand, ast.Constant)
             and isinstance(node.operand.value, int | float)):

@@ -135,7 +135,7 @@ def test_token_by_token_stream_sends_arguments_in_pieces(name, text, content, ca
 def test_random_splits_stream_the_same_answer(case, cuts):
     name, text = case[0], case[1]
     cuts = sorted({c % (len(text) + 1) for c in cuts})
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     parser = TOOL_PARSERS[name]()
     assert streamed(parser, pieces)[:2] == whole(parser, text)
 
