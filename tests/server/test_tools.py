@@ -12,8 +12,14 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
+import xgrammar as xgr
 
+from pagedserve.actors.structured_output import StructuredOutputManager
+from pagedserve.gpu.sampling_params import StructuredOutputsParams
 from pagedserve.server.serving import ServingConfig
+from pagedserve.server.tool_calling import parameters_of
+from pagedserve.server.tool_parsers import TOOL_PARSERS
+from pagedserve.server.tool_protocol import ToolDefinition
 from tests.conftest import TINY_NAME, hf_tokenizer, serve
 
 SAMPLES = 20
@@ -248,14 +254,6 @@ async def test_auto_calls_are_constrained_once_opened(tiny_model_dir, parser, pr
     """The auto-mode grammar, compiled as the server compiles it, lets text through, then holds
     an opened call to the tools' schemas: an unknown tool or a value outside the schema cannot
     be written, a valid call can, and text may follow it."""
-    import xgrammar as xgr
-
-    from pagedserve.actors.structured_output import StructuredOutputManager
-    from pagedserve.gpu.sampling_params import StructuredOutputsParams
-    from pagedserve.server.tool_calling import parameters_of
-    from pagedserve.server.tool_parsers import TOOL_PARSERS
-    from pagedserve.server.tool_protocol import ToolDefinition
-
     tools = [ToolDefinition.model_validate(t) for t in TOOLS]
     tag = TOOL_PARSERS[parser]().structural_tag(
         [(t.function.name, parameters_of(t)) for t in tools])
