@@ -132,6 +132,8 @@ def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
         # An EBNF alternation of JSON-escaped literals (xgrammar's string escapes).
         alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
         return "choice", f"root ::= {alts}"
+    if kind == "structural_tag":
+        return kind, spec.structural_tag  # type: ignore[return-value]
     return kind, spec.regex if kind == "regex" else spec.grammar  # type: ignore[return-value]
 
 
@@ -219,6 +221,8 @@ class StructuredOutputManager:
                     max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE)
             elif kind == "regex":
                 grammar = compiler.compile_regex(text)
+            elif kind == "structural_tag":
+                grammar = compiler.compile_structural_tag(text)
             else:
                 grammar = compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError for every parse/convert error

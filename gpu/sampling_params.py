@@ -12,7 +12,8 @@ from typing import Any
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """A guided-decoding constraint (vLLM's ``StructuredOutputsParams``); exactly one of
-    ``json``, ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF) or ``json_object`` is set.
+    ``json``, ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF), ``json_object`` or
+    ``structural_tag`` is set.
 
     Attributes:
         json: a JSON schema (dict or its text).
@@ -20,6 +21,8 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar in xgrammar's dialect (start rule ``root``).
         json_object: any JSON object.
+        structural_tag: an xgrammar structural tag, as JSON text (free text with constrained
+            regions, e.g. tool calls once their opening tag is written).
         disable_any_whitespace: JSON in its compact form, no free whitespace between tokens.
     """
 
@@ -28,13 +31,15 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
 
     def kinds(self) -> list[str]:
         """The constraint kinds that are set (valid params have exactly one)."""
         set_ = {"json": self.json is not None, "regex": self.regex is not None,
                 "choice": self.choice is not None, "grammar": self.grammar is not None,
-                "json_object": self.json_object}
+                "json_object": self.json_object,
+                "structural_tag": self.structural_tag is not None}
         return [k for k, on in set_.items() if on]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
+from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
@@ -27,6 +28,14 @@ class ServingConfig:
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template (file path or inline) overriding the tokenizer's",
         "default_text": "the tokenizer's",
+    })
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "let the model decide when to call tools (`tool_choice: auto`); needs "
+                "--tool-call-parser",
+    })
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "how tool calls are read from the model's output: the format of its family",
+        "choices": tuple(TOOL_PARSERS),
     })
     enable_log_requests: bool = field(default=False, metadata={
         "help": "log prompt and output text (never logged otherwise)",

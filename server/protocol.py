@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.server.structured_output_fields import StructuredOutputFields
+from pagedserve.server.tool_protocol import ToolCallInHistory, ToolFields
 
 
 class _Body(BaseModel):
@@ -27,6 +28,9 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallInHistory] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -106,7 +110,7 @@ class _SamplingBody(StructuredOutputFields, _Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class ChatCompletionRequest(_SamplingBody):
+class ChatCompletionRequest(ToolFields, _SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

@@ -19,6 +19,8 @@ from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import LogprobsFormatter
 from pagedserve.server.prompts import PromptInput
+from pagedserve.server.tool_calling import finish_reason, shape_message
+from pagedserve.server.tool_parsers import ToolParser
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +69,7 @@ class ResponseBuilder:
     chat_echo: str | None = None  # chat: the last assistant message, prefixed to the answer
     prompt_logprobs: bool = False  # the client asked for prompt_logprobs
     want_logprobs: bool = False  # the client asked for logprobs
+    tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the text
 
     def prompt_of(self, index: int) -> PromptInput:
         return self.prompts[index // self.n]
@@ -228,6 +231,7 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
     takes effect only with ``include_usage``, as in vLLM."""
     n = len(streams)
     tally = _Tally(n)
+    tools = [builder.tool_parser.streamer() for _ in range(n)] if builder.tool_parser else []
     pending: list[list[int]] = [[] for _ in range(n)]  # tokens whose text is held back
     pending_lp: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     shown = [0] * n  # characters of each choice's text sent so far
@@ -259,13 +263,19 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
             prefix, echo_lps = "", None
             if not builder.chat and not started[i]:
                 prefix, echo_lps = builder.echo_text(i), builder.echo_logprobs(tally.prompt_lps[i])
-            text = prefix + d.text
-            if not text and d.finish_reason is None:
+            text, finish, calls = prefix + d.text, d.finish_reason, None
+            if tools:  # content and call pieces the tool parser can tell apart by now
+                step = tools[i].feed(d.text, final=finish is not None)
+                text, calls = step.content, step.tool_calls
+                finish = finish_reason(finish, tools[i].num_calls > 0)
+            if not text and not calls and finish is None:
                 continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-            yield chunk([builder.choice(i, text, d.finish_reason, pending[i],
-                                        pending_lp[i] or None, chunk=True,
-                                        offset=shown[i] + len(prefix), echo_lps=echo_lps,
-                                        first=not started[i])])
+            c = builder.choice(i, text, finish, pending[i], pending_lp[i] or None, chunk=True,
+                               offset=shown[i] + len(prefix), echo_lps=echo_lps,
+                               first=not started[i])
+            if calls:
+                c["delta"]["tool_calls"] = calls
+            yield chunk([c])
             started[i] = True
             shown[i] += len(text)
             pending[i], pending_lp[i] = [], []
@@ -311,6 +321,9 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
             i, echo + tally.texts[i], tally.finish[i], token_ids[i], lps[i] or None,
             chunk=False, offset=len(echo), echo_lps=builder.echo_logprobs(tally.prompt_lps[i]),
             prompt_lps=tally.prompt_lps[i]))
+    for i, c in enumerate(choices if builder.tool_parser else []):
+        called = shape_message(c["message"], builder.tool_parser, tally.texts[i])
+        c["finish_reason"] = finish_reason(c["finish_reason"], called)
     body = builder.envelope(choices, chunk=False, prompt_lps=tally.prompt_lps[0])
     body["usage"] = builder.usage(sum(tally.tokens), tally.cached_tokens(builder.n))
     on_done(tally.summary())

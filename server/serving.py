@@ -48,6 +48,15 @@ from pagedserve.server.responses import (
     sse_events,
     until_disconnect,
 )
+from pagedserve.server.tool_calling import (
+    ToolPlan,
+    check_tool_schemas,
+    keeps_special_tokens,
+    plan_tools,
+    template_messages,
+    uses_tools,
+)
+from pagedserve.server.tool_template import tool_template
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +76,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
+        self.tool_chat_template = tool_template(self.tokenizer, config.chat_template)
 
     # -- shared validation -------------------------------------------------------------------
 
@@ -124,11 +134,18 @@ class Serving:
         return logprobs if echo else None
 
     async def _structured_outputs(
-        self, body: Any, params: SamplingParams,
+        self, body: Any, params: SamplingParams, tools: ToolPlan | None = None,
     ) -> CompiledConstraint | None:
         """Attach the request's guided-decoding constraint, compiled now so that a bad one is a
-        400 before any stream starts; the compiled grammar goes on to ``add_request``."""
+        400 before any stream starts; the compiled grammar goes on to ``add_request``. A
+        forced tool call's constraint is one too (and excludes any other)."""
         spec, param = body.structured_outputs_params()
+        if tools is not None and tools.constraint is not None:
+            if spec is not None and tools.forced:
+                raise OpenAIError(f"{param} cannot be combined with a forced tool_choice",
+                                  param=param)
+            if spec is None:
+                spec, param = tools.constraint, "tool_choice"
         if spec is None:
             return None
         try:
@@ -171,12 +188,15 @@ class Serving:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    kwargs: dict[str, Any] | None = None) -> str:
+                    kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None, with_tools: bool = False) -> str:
+        """``with_tools``: the conversation has tools or tool turns (see ``tool_template``)."""
+        template = self.tool_chat_template if with_tools else self.config.chat_template
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=self.config.chat_template, **(kwargs or {}),
+                continue_final_message=continue_final_message, tools=tools,
+                chat_template=template, **(kwargs or {}),
             )
         except Exception as e:  # jinja raises for roles/orders the template rejects
             raise OpenAIError(f"chat template failed: {e}", param="messages") from e
@@ -186,19 +206,26 @@ class Serving:
     async def chat(self, request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         self.check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = self.chat_prompt(messages, body.add_generation_prompt,
-                                  body.continue_final_message, body.chat_template_kwargs)
+        tools = plan_tools(body, self.config.tool_call_parser,
+                           self.config.enable_auto_tool_choice)
+        if tools is not None:
+            await check_tool_schemas(body.tools or [], self.engine.compile_grammar)
+        prompt = self.chat_prompt(template_messages(body.messages), body.add_generation_prompt,
+                                  body.continue_final_message, body.chat_template_kwargs,
+                                  tools=tools.tools if tools else None,
+                                  with_tools=tools is not None or uses_tools(body.messages))
         prompt_ids = truncate_ids(self.tokenizer.encode(prompt, add_special_tokens=False),
                                   body.truncate_prompt_tokens, body.truncation_side,
                                   self.max_model_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)
-        echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" \
-            else None
+        if tools is not None and keeps_special_tokens(tools.parser, self.tokenizer):
+            params.skip_special_tokens = False
+        last = body.messages[-1]
+        echo = last.text() if body.echo and last.role == "assistant" else None
         return await self._respond(request, body, [PromptInput(prompt_ids, prompt)], [params],
-                                   chat=True, echo=echo)
+                                   chat=True, echo=echo, tools=tools)
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
@@ -211,12 +238,15 @@ class Serving:
         return await self._respond(request, body, prompts, params, chat=False)
 
     async def _respond(self, request: Request, body: Any, prompts: list[PromptInput],
-                       params: list[SamplingParams], chat: bool, echo: str | None = None):
+                       params: list[SamplingParams], chat: bool, echo: str | None = None,
+                       tools: ToolPlan | None = None):
         """``prompts`` and their ``params``: one each (chat), or a completion's batch.
-        ``echo``: chat's echoed assistant message."""
+        ``echo``: chat's echoed assistant message; ``tools``: chat's tool plan."""
         if body.use_beam_search:
             check_beam_search(body, len(prompts))
-        grammar = await self._structured_outputs(body, params[0])
+            if tools is not None:
+                raise OpenAIError("tools are not supported with use_beam_search", param="tools")
+        grammar = await self._structured_outputs(body, params[0], tools)
         for p in params[1:]:  # a batch's prompts share the one compiled constraint
             p.structured_outputs = params[0].structured_outputs
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
@@ -234,6 +264,7 @@ class Serving:
             echo=not chat and body.echo, chat_echo=echo,
             prompt_logprobs=body.prompt_logprobs is not None,
             want_logprobs=params[0].logprobs is not None,
+            tool_parser=tools.parser if tools else None,
         )
         on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
                                sum(len(p.token_ids) for p in prompts))

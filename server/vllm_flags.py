@@ -8,7 +8,7 @@ MODEL. Two kinds:
   (uvicorn's logging, the frontend process, Ray, remote code: pagedserve runs its own model
   code). They are parsed with their value, and ``serve`` logs one ``vllm_flags_ignored``
   warning naming them;
-- refused (``REFUSED``): they ask for behaviour pagedserve does not have (LoRA, tool calling,
+- refused (``REFUSED``): they ask for behaviour pagedserve does not have (LoRA,
   TLS, tensor parallelism, another tokenizer, quantized checkpoints): ``serve`` exits with the
   flag and what pagedserve does instead, under ``serve``'s usage line.
 
@@ -52,10 +52,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--lora-modules": ("+", "LoRA adapters are not supported: serve a merged model"),
     "--max-loras": (1, "LoRA adapters are not supported: serve a merged model"),
     "--max-lora-rank": (1, "LoRA adapters are not supported: serve a merged model"),
-    "--enable-auto-tool-choice": (0, "tool calling is not supported; constrain the output with "
-                                     "response_format / structured_outputs instead"),
-    "--tool-call-parser": (1, "tool calling is not supported; constrain the output with "
-                              "response_format / structured_outputs instead"),
     "--reasoning-parser": (1, "reasoning parsers are not supported"),
     "--tokenizer": (1, "the model's own tokenizer is always used"),
     "--ssl-keyfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),

@@ -1,6 +1,8 @@
 // The chat page: streams /v1/chat/completions token by token, keeps the conversation, stops a
 // generation with an AbortController (closing the stream makes the server abort the request
-// and free its blocks) and shows tokens/s.
+// and free its blocks) and shows tokens/s. With tools set, the assistant's tool calls show as
+// `call name {arguments}` blocks; the next messages typed are the calls' results, sent as
+// `tool` turns (one per call), and the conversation goes on once every call has its result.
 import { authHeaders, errorMessage, readEvents } from "./sse.js";
 
 const $ = (id) => document.getElementById(id);
@@ -8,8 +10,9 @@ const KEY_STORE = "pagedserve.apiKey";
 
 const state = {
   model: null,
-  history: [], // {role, content} sent with each request
+  history: [], // {role, content[, tool_calls | tool_call_id]} sent with each request
   controller: null, // AbortController of the running generation
+  pendingCalls: [], // the last answer's tool calls still waiting for a result
 };
 
 function settings() {
@@ -18,7 +21,50 @@ function settings() {
     temperature: Number($("temperature").value),
   };
   if ($("ignore-eos").checked) body.ignore_eos = true; // a vLLM field
+  const tools = $("tools").value.trim();
+  if (tools) {
+    body.tools = JSON.parse(tools);
+    body.tool_choice = $("tool-choice").value;
+  }
   return body;
+}
+
+function showCall(bubble, call) {
+  let div = bubble.querySelector(`.tool-call[data-index="${call.index}"]`);
+  if (!div) {
+    div = document.createElement("div");
+    div.className = "tool-call";
+    div.dataset.index = String(call.index);
+    bubble.append(div);
+  }
+  div.textContent = `${call.function.name} ${call.function.arguments}`;
+}
+
+// Adds one streamed `delta.tool_calls` entry to the calls so far (OpenAI's shape: id, type and
+// name in a call's first delta, then pieces of its arguments).
+function addCallDelta(calls, d) {
+  if (!calls[d.index]) {
+    calls[d.index] = { id: d.id, type: "function", index: d.index,
+                       function: { name: d.function.name, arguments: "" } };
+  }
+  calls[d.index].function.arguments += (d.function && d.function.arguments) || "";
+  return calls[d.index];
+}
+
+function answerCall(text) {
+  const call = state.pendingCalls.shift();
+  state.history.push({ role: "tool", tool_call_id: call.id, content: text });
+  const bubble = addBubble("tool", text);
+  bubble.parentElement.querySelector(".who").textContent = `tool · ${call.function.name}`;
+  setPlaceholder();
+  return state.pendingCalls.length === 0;
+}
+
+function setPlaceholder() {
+  const next = state.pendingCalls[0];
+  $("prompt").placeholder = next
+    ? `Result of ${next.function.name} (sent as a tool message)`
+    : "Message (Enter sends, Shift+Enter: new line)";
 }
 
 function addBubble(role, text) {
@@ -58,9 +104,14 @@ function showStats(s, done) {
 async function send(text) {
   const system = $("system-prompt").value.trim();
   const history = state.history; // "New chat" during a generation starts a fresh one
-  history.push({ role: "user", content: text });
-  addBubble("user", text);
+  if (state.pendingCalls.length) {
+    if (!answerCall(text)) return; // more calls wait for their results
+  } else {
+    history.push({ role: "user", content: text });
+    addBubble("user", text);
+  }
   const out = addBubble("assistant", "");
+  const calls = [];
   out.parentElement.classList.add("streaming");
   const messages = system ? [{ role: "system", content: system }, ...history] : [...history];
   const s = { tokens: 0, ttft: null, firstAt: null, lastAt: null, start: performance.now() };
@@ -106,6 +157,9 @@ async function send(text) {
         answer += choice.delta.content;
         node.appendData(choice.delta.content);
       }
+      for (const d of (choice.delta && choice.delta.tool_calls) || []) {
+        showCall(out, addCallDelta(calls, d));
+      }
       if (choice.finish_reason) finish = choice.finish_reason;
       if (!frame) frame = requestAnimationFrame(render);
     });
@@ -124,7 +178,14 @@ async function send(text) {
     }
   } finally {
     out.parentElement.classList.remove("streaming");
-    history.push({ role: "assistant", content: answer }); // partial answers count too
+    const made = calls.filter(Boolean).map(({ index, ...call }) => call);
+    if (made.length) {
+      history.push({ role: "assistant", content: answer || null, tool_calls: made });
+      state.pendingCalls = made.slice();
+      setPlaceholder();
+    } else {
+      history.push({ role: "assistant", content: answer }); // partial answers count too
+    }
     state.controller = null;
     setBusy(false);
     $("prompt").focus();
@@ -165,6 +226,8 @@ function init() {
   $("clear").addEventListener("click", () => {
     if (state.controller) state.controller.abort();
     state.history = [];
+    state.pendingCalls = [];
+    setPlaceholder();
     $("conversation").replaceChildren();
     $("gen-stats").textContent = "ready";
   });

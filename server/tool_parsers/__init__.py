@@ -1,0 +1,27 @@
+"""Tool-call parsers, one per output format, chosen with ``--tool-call-parser`` (vLLM's names).
+
+Each turns a model's output into content and ``tool_calls``, whole (``extract``) or as it
+streams (``streamer``); see ``base``.
+"""
+
+from __future__ import annotations
+
+from pagedserve.server.tool_parsers.base import (
+    Extracted,
+    StreamDelta,
+    ToolCall,
+    ToolCallStreamer,
+    ToolParser,
+)
+from pagedserve.server.tool_parsers.hermes import HermesToolParser
+from pagedserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedserve.server.tool_parsers.mistral import JsonArrayToolParser, MistralToolParser
+from pagedserve.server.tool_parsers.pythonic import PythonicToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                        PythonicToolParser)
+}
+
+__all__ = ["TOOL_PARSERS", "Extracted", "JsonArrayToolParser", "StreamDelta", "ToolCall",
+           "ToolCallStreamer", "ToolParser"]
