@@ -21,6 +21,8 @@ from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.parallel import weights as parallel_weights
+from pagedserve.gpu.parallel.comm import ParallelContext
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
@@ -93,6 +95,8 @@ class ModelInfo:
     quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
     source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
     kv_cache_bytes: int = 0  # the K and V tensors allocated
+    # Tensor/pipeline parallel: per rank, what it holds and its pid (``RankLayout.describe``).
+    parallel_layout: list[dict] | None = None
 
 
 class ModelRunner:
@@ -107,9 +111,12 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig,
         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+        parallel: ParallelContext | None = None,
     ):
         """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
-        step, which the CUDA path profiles (KV sizing) and captures (decode graphs)."""
+        step, which the CUDA path profiles (KV sizing) and captures (decode graphs).
+        ``parallel``: this rank's share of a tensor/pipeline-parallel model (``gpu/worker.py``)."""
+        self.parallel = parallel
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -149,7 +156,7 @@ class ModelRunner:
         resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
         self._size_kv_cache(model_bytes)
-        if self.device.type == "cuda" and not mc.enforce_eager:
+        if self.device.type == "cuda" and not mc.enforce_eager and self.parallel is None:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
@@ -165,10 +172,13 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, self.dtype)
         ops = get_layer_ops(self.attn_backend.name, self.dtype)
         model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len, ops,
-                                       self.device, self.dtype)
-        loader.load_weights(model, resolved.path)
-        self.quantization = pick_quantization(mc.quantization, resolved, self.device,
-                                              self.dtype)
+                                       self.device, self.dtype, self.parallel)
+        shard = None if self.parallel is None else parallel_weights.read_shard(
+            resolved.path, parallel_weights.shard_plan(self.hf_config, self.parallel.layout))
+        loader.load_weights(model, resolved.path, shard)
+        self.quantization = (pick_quantization(mc.quantization, resolved, self.device, self.dtype)
+                             if self.parallel is None else parallel_weights.no_quantization(
+                                 mc.quantization, self.parallel.layout))
         if self.quantization == "gguf":
             swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
                                                  cache_dir=resolved.path)
@@ -188,11 +198,12 @@ class ModelRunner:
         activation_bytes = None
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
             activation_bytes = self._profile_activation_bytes()
+        kv_config = self.model.kv_config  # this rank's KV heads and layers
         self.num_blocks = kv_cache.num_blocks_for(
-            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes
+            kv_config, cc, self.dtype, self.device, model_bytes, activation_bytes
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
-            self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
+            kv_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
 
     def _model_info(self, resolved: loader.ResolvedModel, load_seconds: float) -> ModelInfo:
@@ -317,7 +328,7 @@ class ModelRunner:
             logits = self.model(prepare_inputs(reqs, self.block_size, self.device),
                                 self.kv_caches)
         sampled_reqs = [r for r in reqs if r.sample]
-        if not sampled_reqs:
+        if not sampled_reqs or logits is None:  # None: another rank samples
             return ModelRunnerOutput({})
         if so.grammar_bitmask is not None:  # one logits row per request, k + 1 with drafts
             row_ids = [r.req_id for r in sampled_reqs for _ in range(len(r.spec_token_ids) + 1)]
