@@ -38,12 +38,12 @@ from typing import Any, TypeVar
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.engine import EngineConfig
 from pagedserve.actors.structured_output import StructuredOutputConfig
-from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
-    ModelConfig, CacheConfig, SchedulerConfig, StructuredOutputConfig, ServingConfig, ServerConfig,
+    ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, StructuredOutputConfig, ServingConfig, ServerConfig,
 )
 
 C = TypeVar("C")
@@ -149,6 +149,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=from_args(ModelConfig, args, model=args.model or args.model_tag),
         cache=from_args(CacheConfig, args),
+        parallel=from_args(ParallelConfig, args),
         scheduler=from_args(SchedulerConfig, args),
         structured_output=from_args(StructuredOutputConfig, args),
     )
