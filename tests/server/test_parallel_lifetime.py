@@ -1,0 +1,109 @@
+"""Lifetime of a tensor-parallel server's worker processes (issue 13's "zombie processes"):
+a SIGTERM stops every worker, a worker killed mid-stream fails its request and the server
+exits 1, a layout or setting the workers refuse ends the start with one line; after each, no
+process of the server's process group is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pagedserve.server.launch import start_server_process
+
+MSG = [{"role": "user", "content": "Count with me, forever"}]
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes (not zombies) whose process group is ``pgid``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _serve(tiny_model_dir: Path, log) -> tuple[subprocess.Popen, str, list[int]]:
+    """A tp=2 server in a process group of its own; its worker pids from /admin/stats."""
+    proc, url = start_server_process(
+        [str(tiny_model_dir), "-tp", "2", "--dtype", "float32", "--max-model-len", "4096",
+         "--num-gpu-blocks-override", "300"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    layout = httpx.get(f"{url}/admin/stats", timeout=30).json()["model"]["parallel"]
+    workers = [r["pid"] for r in layout]
+    assert len(workers) == 2 and set(workers) <= set(group_pids(proc.pid))
+    return proc, url, workers
+
+
+def _wait_group_empty(pgid: int, timeout: float = 60.0) -> None:
+    """Until nothing of the group lives; ``timeout`` only catches a leak."""
+    deadline = time.monotonic() + timeout
+    while (left := group_pids(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+
+
+def test_sigterm_stops_every_worker(tiny_model_dir, tmp_path):
+    with (tmp_path / "server.log").open("w") as log:
+        proc, url, _ = _serve(tiny_model_dir, log)
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                           json={"messages": MSG, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    _wait_group_empty(proc.pid)
+
+
+def test_killed_worker_fails_the_stream_and_the_server_exits(tiny_model_dir, tmp_path):
+    with (tmp_path / "server.log").open("w") as log:
+        proc, url, workers = _serve(tiny_model_dir, log)
+        events: list[dict] = []
+        try:
+            body = {"messages": MSG, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                              json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        if len(events) == 3:  # streaming: kill a rank mid-stream
+                            os.kill(workers[1], signal.SIGKILL)
+            assert proc.wait(timeout=120) == 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "server.log").read_text()
+    assert "error" in events[-1], events[-1]
+    assert f"worker rank 1 (pid {workers[1]}) exited" in events[-1]["error"]["message"]
+    assert "the engine failed: worker rank 1" in out
+    _wait_group_empty(proc.pid)
+
+
+def test_refused_layouts_end_the_start_with_one_line(tiny_model_dir):
+    exe = str(Path(sys.executable).parent / "pagedserve")
+    cases = {("-tp", "3"): "--tensor-parallel-size 3 does not divide the model's 4 attention",
+             ("-tp", "2", "-q", "gguf"): "--quantization gguf does not split across ranks"}
+    for flags, message in cases.items():
+        proc = subprocess.Popen([exe, "serve", str(tiny_model_dir), *flags, "--port", "0"],
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 1, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("pagedserve: error: ") and message in last, last
+        _wait_group_empty(proc.pid)
