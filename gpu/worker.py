@@ -73,6 +73,12 @@ class Worker:
             except OSError:
                 return "127.0.0.1"
 
+    def rendezvous(self) -> str:
+        """A ``tcp://`` address on this machine that the other ranks can reach (rank 0's)."""
+        from pagedserve.gpu.parallel.comm import free_port
+
+        return f"tcp://{self.node_address()}:{free_port('0.0.0.0')}"
+
     def init(self, init_method: str | None = None) -> None:
         """Join the process group (``init_method`` overrides the spec's) and build the runner."""
         import torch
