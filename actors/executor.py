@@ -67,6 +67,9 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
     config = await asyncio.to_thread(
         lambda: loader.load_config(loader.resolve_model(model.model).path))
     check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if model.quantization == "gguf":  # the workers would refuse it too, one line each
+        raise ValueError("--quantization gguf does not split across ranks: use --quantization "
+                         "none with --tensor-parallel-size/--pipeline-parallel-size")
     if parallel.distributed_executor_backend == "ray":
         from pagedserve.actors.ray_executor import RayExecutor
 

@@ -6,16 +6,20 @@ process of the server's process group is left."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from pagedserve.actors.engine import AsyncEngine
+from pagedserve.gpu.config import ParallelConfig
 from pagedserve.server.launch import start_server_process
+from tests.conftest import engine_config
 
 MSG = [{"role": "user", "content": "Count with me, forever"}]
 
@@ -95,15 +99,14 @@ def test_killed_worker_fails_the_stream_and_the_server_exits(tiny_model_dir, tmp
     _wait_group_empty(proc.pid)
 
 
-def test_refused_layouts_end_the_start_with_one_line(tiny_model_dir):
-    exe = str(Path(sys.executable).parent / "pagedserve")
-    cases = {("-tp", "3"): "--tensor-parallel-size 3 does not divide the model's 4 attention",
-             ("-tp", "2", "-q", "gguf"): "--quantization gguf does not split across ranks"}
-    for flags, message in cases.items():
-        proc = subprocess.Popen([exe, "serve", str(tiny_model_dir), *flags, "--port", "0"],
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 1, err[-2000:]
-        last = err.strip().splitlines()[-1]
-        assert last.startswith("pagedserve: error: ") and message in last, last
-        _wait_group_empty(proc.pid)
+async def test_refused_layouts_end_the_start_with_one_line(tiny_model_dir):
+    """A tp that does not divide the heads, or GGUF blocks kept quantized (not split across
+    ranks), are refused before any process starts."""
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 3 does not divide the "
+                                         r"model's 4 attention heads$"):
+        await AsyncEngine.start(engine_config(tiny_model_dir, parallel=ParallelConfig(3)))
+    config = engine_config(tiny_model_dir, parallel=ParallelConfig(2))
+    config.model.quantization = "gguf"
+    with pytest.raises(ValueError, match="^--quantization gguf does not split across ranks"):
+        await AsyncEngine.start(config)
+    assert not multiprocessing.active_children()
