@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 from pagedserve.gpu.parallel.layout import RankLayout, _heads
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-# (dim, range attribute of RankLayout, in units of head_size?) per projection.
+# Projection → the RankLayout range it is split by (heads are counted in rows of head_size).
 _COLUMN = {"q_proj": "q_heads", "k_proj": "kv_heads", "v_proj": "kv_heads",
            "gate_proj": "intermediate", "up_proj": "intermediate"}
 _ROW = {"o_proj": "q_heads", "down_proj": "intermediate"}

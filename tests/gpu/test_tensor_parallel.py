@@ -5,6 +5,7 @@ cache (a prefill of two prompts, then a decode of each)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -42,29 +43,38 @@ def _logits(runner: ModelRunner) -> list[torch.Tensor | None]:
                              runner.kv_caches) for s in _steps()]
 
 
-def _rank(path: str, tp: int, pp: int, rank: int, port: int, results) -> None:
+def _rank(path: str, layouts: list[tuple[int, int]], rank: int, ports: list[int],
+          results) -> None:
+    """One process, one rank of each layout in turn (one spawn for all: imports dominate)."""
+    os.environ["PAGEDSERVE_CPU_THREADS"] = "1"  # one thread per rank, no governor
     torch.set_num_threads(1)
-    layout = rank_layout(loader.load_config(loader.resolve_model(path).path), tp, pp, rank)
-    parallel = ParallelContext.init(layout, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
-    try:
-        out = _logits(_runner(path, parallel))
-        results.put((rank, out if layout.is_driver else None))
-    finally:
-        parallel.destroy()
+    config = loader.load_config(loader.resolve_model(path).path)
+    for (tp, pp), port in zip(layouts, ports):
+        layout = rank_layout(config, tp, pp, rank)
+        parallel = ParallelContext.init(layout, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+        try:
+            out = _logits(_runner(path, parallel))
+        finally:
+            parallel.destroy()
+        # As numpy arrays: pickled by value (a tensor would go by a file descriptor that
+        # dies with this process).
+        if layout.is_driver:
+            results.put(((tp, pp), [t.numpy() for t in out]))
 
 
-def parallel_logits(path: str, tp: int, pp: int) -> list[torch.Tensor]:
+def parallel_logits(path: str, layouts: list[tuple[int, int]]) -> dict:
+    """``{(tp, pp): logits of each step}``, every layout over the same 4 processes."""
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(path, tp, pp, r, port, results))
-             for r in range(tp * pp)]
+    results, ports = ctx.Queue(), [free_port() for _ in layouts]
+    procs = [ctx.Process(target=_rank, args=(path, layouts, r, ports, results))
+             for r in range(4)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
+    got = dict(results.get(timeout=300) for _ in layouts)
     for p in procs:
-        p.join(timeout=30)
+        p.join(timeout=60)
         assert p.exitcode == 0
-    return got[(pp - 1) * tp]
+    return {k: [torch.from_numpy(a) for a in v] for k, v in got.items()}
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +82,18 @@ def single_logits(tiny_model_dir) -> list[torch.Tensor]:
     return _logits(_runner(str(tiny_model_dir)))
 
 
-# tp=2 × pp=2 covers the split heads, MLP and vocabulary and the stage-to-stage send; tp=4
-# (more ranks than the 2 KV heads) the replicated KV heads. (tp=2 and pp=2 alone pass too, and
-# run through the server in tests/server/test_parallel_serving.py's layout.)
-@pytest.mark.parametrize("tp,pp", [(2, 2), (4, 1)], ids=["tp2xpp2", "tp4-kv-replicated"])
-def test_parallel_logits_equal_single_process(tiny_model_dir, single_logits, tp, pp):
-    got = parallel_logits(str(tiny_model_dir), tp, pp)
-    for step, (want, have) in enumerate(zip(single_logits, got)):
-        assert have.shape == want.shape
-        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=f"step {step}")
-        assert torch.equal(have.argmax(-1), want.argmax(-1))
+def test_parallel_logits_equal_single_process(tiny_model_dir, single_logits):
+    """tp=2 × pp=2: the split heads, MLP and vocabulary and the stage-to-stage send; tp=4
+    (more ranks than the 2 KV heads): the replicated KV heads. (tp=2 and pp=2 alone pass
+    too; the server runs tp=2 × pp=2 in tests/server/test_parallel_serving.py.)"""
+    layouts = [(2, 2), (4, 1)]
+    got = parallel_logits(str(tiny_model_dir), layouts)
+    for layout in layouts:
+        for step, (want, have) in enumerate(zip(single_logits, got[layout])):
+            assert have.shape == want.shape
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5,
+                                       msg=f"{layout} step {step}")
+            assert torch.equal(have.argmax(-1), want.argmax(-1))
 
 
 def test_layout_refuses_a_tp_that_does_not_divide_the_heads(tiny_model_dir):
