@@ -138,6 +138,7 @@ class MultiprocExecutor(Actor):
                 if w is None:  # a process ended; read what it said first, if anything
                     w = by_sentinel[ready]
                     if not w.conn.poll():
+                        w.process.join(timeout=1)  # reap it: its exit code is known then
                         self._fail(f"worker rank {w.rank} (pid {w.process.pid}) exited with "
                                    f"code {w.process.exitcode}")
                     continue

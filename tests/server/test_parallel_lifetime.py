@@ -1,7 +1,8 @@
 """Lifetime of a tensor-parallel server's worker processes (issue 13's "zombie processes"):
 a SIGTERM stops every worker, a worker killed mid-stream fails its request and the server
-exits 1, a layout or setting the workers refuse ends the start with one line; after each, no
-process of the server's process group is left."""
+exits 1, an exception raised inside a worker's step fails the executor with its reason, a
+layout or setting that cannot split ends the start with one line; after each, no process of
+the server's process group (or of this one's children) is left."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import httpx
 import pytest
 
 from pagedserve.actors.engine import AsyncEngine
-from pagedserve.gpu.config import ParallelConfig
+from pagedserve.actors.multiproc_executor import MultiprocExecutor, WorkerFailed
+from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
+from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
+from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.launch import start_server_process
 from tests.conftest import engine_config
 
@@ -110,3 +114,27 @@ async def test_refused_layouts_end_the_start_with_one_line(tiny_model_dir):
     with pytest.raises(ValueError, match="^--quantization gguf does not split across ranks"):
         await AsyncEngine.start(config)
     assert not multiprocessing.active_children()
+
+
+async def test_exception_in_a_worker_step_fails_the_executor_with_its_reason(tiny_model_dir):
+    """A step the workers cannot run (a block table too short for its positions: the
+    scheduler never sends one, so it stands for any bug) raises inside every worker's step:
+    the executor reports the first rank's exception, ends every worker, and refuses later
+    steps with the same reason."""
+    executor = MultiprocExecutor(
+        ModelConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=64),
+        CacheConfig(num_gpu_blocks_override=8), ParallelConfig(2), 64, 4)
+    await executor.load()
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        ok = executor.execute_model(SchedulerOutput(
+            [ScheduledRequest("a", [1, 2, 3], 0, [0], greedy, True, 3)]))
+        assert len(ok.sampled_token_ids["a"]) == 1
+        bad = SchedulerOutput([ScheduledRequest("b", [1, 2, 3], 100, [0], greedy, True, 3)])
+        with pytest.raises(WorkerFailed, match=r"^rank \d: IndexError: "):
+            executor.execute_model(bad)
+        assert not multiprocessing.active_children()
+        with pytest.raises(WorkerFailed, match="IndexError"):
+            executor.execute_model(SchedulerOutput([]))
+    finally:
+        await executor.stop()
