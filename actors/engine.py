@@ -24,7 +24,7 @@ from pagedserve.actors.beam_group import BeamSearchStream
 from pagedserve.actors.beam_search import BeamSearch, BeamSearchParams
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.detokenizer import IncrementalDetokenizer
-from pagedserve.actors.executor import Executor
+from pagedserve.actors.executor import Executor, make_executor
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import (
     AbortAll,
@@ -44,8 +44,8 @@ from pagedserve.actors.structured_output import (
     StructuredOutputManager,
 )
 from pagedserve.gpu import loader
-from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
-from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
+from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
+from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
 
@@ -56,6 +56,7 @@ log = structlog.get_logger(__name__)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
@@ -88,11 +89,19 @@ class AsyncEngine:
         spec = config.scheduler.speculative
         draft = (DraftModelConfig(spec.model, spec.num_speculative_tokens)
                  if spec is not None and spec.method == "draft_model" else None)
-        executor = Executor(ModelRunner(
-            config.model, config.cache, config.scheduler.max_num_batched_tokens,
-            config.scheduler.max_num_seqs, draft,
-        ))
+        executor = await make_executor(config.model, config.cache, config.parallel,
+                                       config.scheduler.max_num_batched_tokens,
+                                       config.scheduler.max_num_seqs, draft)
         info = await executor.load()
+        try:
+            return await cls._start_actors(config, executor, info)
+        except BaseException:
+            await executor.stop()  # worker processes, if any, end with it
+            raise
+
+    @classmethod
+    async def _start_actors(cls, config: EngineConfig, executor: Executor,
+                            info: ModelInfo) -> AsyncEngine:
         tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)
         capacity = info.num_blocks * info.block_size
         if capacity < info.max_model_len:
@@ -123,6 +132,8 @@ class AsyncEngine:
         log.info(
             "engine_ready", model=info.path, dtype=info.dtype, device=info.device,
             quantization=info.quantization, load_seconds=round(info.load_seconds, 2),
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
         )
         return cls(config, info, tokenizer, scheduler, executor, stat_loggers,
                    structured_output)
@@ -266,6 +277,15 @@ class AsyncEngine:
         config["cache"].update(num_blocks=self.info.num_blocks,
                                kv_cache_memory_bytes=self.info.kv_cache_bytes)
         return config
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (a worker process died), else ``None``."""
+        return self.executor.failure
+
+    async def wait_failed(self) -> None:
+        """Until the engine has failed for good (a worker died); never, in one process."""
+        await self.executor.dead.wait()
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

@@ -1,5 +1,7 @@
 """The executor actor: owns the model runner and runs each step on one dedicated thread, so the
-event loop keeps serving HTTP and SSE while the forward pass runs."""
+event loop keeps serving HTTP and SSE while the forward pass runs. ``make_executor`` picks it,
+or for a tensor/pipeline-parallel model the multi-process (``multiproc_executor.py``) or Ray
+(``ray_executor.py``) one."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.messages import ExecuteModel
+from pagedserve.gpu import loader
+from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
+from pagedserve.gpu.parallel.layout import check_layout
 
 
 class Executor(Actor):
@@ -17,6 +22,10 @@ class Executor(Actor):
     def __init__(self, runner: ModelRunner):
         super().__init__()
         self.runner = runner
+        # The interface of the multi-process executors: never set here (a failed step fails
+        # its requests and the engine serves on).
+        self.failure: str | None = None
+        self.dead = asyncio.Event()
         # One thread: the runner and its tensors are only ever touched from it.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-executor")
 
@@ -42,3 +51,34 @@ class Executor(Actor):
     async def stop(self) -> None:
         await super().stop()
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
+                        max_num_batched_tokens: int, max_num_seqs: int,
+                        draft: DraftModelConfig | None = None) -> Actor:
+    """The executor for ``parallel``: in this process for one rank, else worker processes
+    (``mp``) or Ray actors (``ray``), after checking the model splits that way. ``draft``: the
+    speculative draft model (one rank only).
+
+    Raises:
+        ValueError: the layout cannot split the model (one line: which count, and why), a
+            draft model is asked for with several ranks, or Ray is asked for and not installed.
+    """
+    if parallel.world_size == 1:
+        return Executor(ModelRunner(model, cache, max_num_batched_tokens, max_num_seqs, draft))
+    if draft is not None:
+        raise ValueError("--speculative-config method draft_model runs on one rank: use "
+                         "method ngram with --tensor-parallel-size/--pipeline-parallel-size")
+    config = await asyncio.to_thread(
+        lambda: loader.load_config(loader.resolve_model(model.model).path))
+    check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if model.quantization == "gguf":  # the workers would refuse it too, one line each
+        raise ValueError("--quantization gguf does not split across ranks: use --quantization "
+                         "none with --tensor-parallel-size/--pipeline-parallel-size")
+    if parallel.distributed_executor_backend == "ray":
+        from pagedserve.actors.ray_executor import RayExecutor
+
+        return RayExecutor(model, cache, parallel, max_num_batched_tokens, max_num_seqs)
+    from pagedserve.actors.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(model, cache, parallel, max_num_batched_tokens, max_num_seqs)

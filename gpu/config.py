@@ -106,3 +106,29 @@ class DraftModelConfig:
 
     model: str
     num_speculative_tokens: int
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """How the model is split across worker processes (vLLM's flag names): ``tp × pp`` ranks,
+    one process each (``gpu/parallel/``, ``gpu/worker.py``). 1 × 1 runs in the server's
+    process, as without these flags."""
+
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks each layer's heads, MLP and vocabulary are split across (must divide "
+                "the attention heads; KV heads are replicated when it exceeds them)",
+        "aliases": ("-tp",),
+    })
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "stages the layers are split into, one rank group each",
+        "aliases": ("-pp",),
+    })
+    distributed_executor_backend: str = field(default="mp", metadata={
+        "help": "how the ranks are started: mp = spawned processes on this machine, ray = "
+                "Ray actors (pip install 'pagedserve[ray]')",
+        "choices": ("mp", "ray"),
+    })
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size

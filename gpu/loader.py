@@ -197,13 +197,15 @@ def _stack_params(state: dict[str, torch.Tensor], mapping) -> None:
                 state[fused_name] = torch.cat([state.pop(s) for s in sources])
 
 
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Copy the directory's weights into ``model`` (names as in transformers).
+def load_weights(model: torch.nn.Module, path: Path,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+    """Copy the directory's weights into ``model`` (names as in transformers); ``state``: the
+    tensors already read (a tensor-parallel rank's slices, ``parallel.weights.read_shard``).
 
     Raises:
         ModelLoadError: a parameter of ours has no weight in the files.
     """
-    state = load_state_dict(path)
+    state = load_state_dict(path) if state is None else state
     _stack_params(state, getattr(model, "stacked_params", ()))
     if "lm_head.weight" not in state and getattr(model.config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

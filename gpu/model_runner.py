@@ -22,6 +22,8 @@ from pagedserve.gpu.draft_model import DraftModel
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.parallel import weights as parallel_weights
+from pagedserve.gpu.parallel.comm import ParallelContext
 from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
@@ -95,6 +97,8 @@ class ModelInfo:
     quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
     source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
     kv_cache_bytes: int = 0  # the K and V tensors allocated (a draft model's included)
+    # Tensor/pipeline parallel: per rank, what it holds and its pid (``RankLayout.describe``).
+    parallel_layout: list[dict] | None = None
 
 
 class ModelRunner:
@@ -109,11 +113,13 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig,
         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-        draft: DraftModelConfig | None = None,
+        draft: DraftModelConfig | None = None, parallel: ParallelContext | None = None,
     ):
         """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
         step, which the CUDA path profiles (KV sizing) and captures (decode graphs).
-        ``draft``: a draft model for speculative decoding (``gpu/draft_model.py``)."""
+        ``draft``: a draft model for speculative decoding (``gpu/draft_model.py``);
+        ``parallel``: this rank's share of a tensor/pipeline-parallel model (``gpu/worker.py``)."""
+        self.parallel = parallel
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -159,7 +165,7 @@ class ModelRunner:
         self._size_kv_cache(model_bytes)
         if self.device.type == "cpu":
             self._log_memory()
-        if self.device.type == "cuda" and not mc.enforce_eager:
+        if self.device.type == "cuda" and not mc.enforce_eager and self.parallel is None:
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
@@ -175,10 +181,13 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, self.dtype)
         ops = get_layer_ops(self.attn_backend.name, self.dtype)
         model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len, ops,
-                                       self.device, self.dtype)
-        loader.load_weights(model, resolved.path)
-        self.quantization = pick_quantization(mc.quantization, resolved, self.device,
-                                              self.dtype)
+                                       self.device, self.dtype, self.parallel)
+        shard = None if self.parallel is None else parallel_weights.read_shard(
+            resolved.path, parallel_weights.shard_plan(self.hf_config, self.parallel.layout))
+        loader.load_weights(model, resolved.path, shard)
+        self.quantization = (pick_quantization(mc.quantization, resolved, self.device, self.dtype)
+                             if self.parallel is None else parallel_weights.no_quantization(
+                                 mc.quantization, self.parallel.layout))
         if self.quantization == "gguf":
             swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
                                                  cache_dir=resolved.path)
@@ -209,12 +218,13 @@ class ModelRunner:
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
             activation_bytes = self._profile_activation_bytes()
         draft_per_block = self.draft.bytes_per_block(self.block_size) if self.draft else 0
+        kv_config = self.model.kv_config  # this rank's KV heads and layers
         self.num_blocks = kv_cache.num_blocks_for(
-            self.hf_config, cc, self.dtype, self.device, model_bytes, activation_bytes,
+            kv_config, cc, self.dtype, self.device, model_bytes, activation_bytes,
             draft_per_block,
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
-            self.hf_config, self.num_blocks, self.block_size, self.dtype, self.device
+            kv_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
         if self.draft is not None:  # the same block ids, its own tensors
             self.draft.allocate(self.num_blocks, self.block_size)
@@ -354,10 +364,10 @@ class ModelRunner:
                                 self.kv_caches)
         sampled_reqs = [r for r in reqs if r.sample]
         prompt_lps: dict[str, prompt_logprobs.PromptLogprobsChunk] = {}
-        if wants_prompt_lps:
+        if wants_prompt_lps and logits is not None:
             num_rows = sum(len(r.spec_token_ids) + 1 for r in sampled_reqs)
             logits, prompt_lps = prompt_logprobs.split_logits(logits, reqs, num_rows)
-        if not sampled_reqs:
+        if not sampled_reqs or logits is None:  # None: another rank samples
             return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
         if so.grammar_bitmask is not None:
             self._apply_grammar(logits, so, sampled_reqs)

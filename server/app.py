@@ -48,7 +48,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         return JSONResponse({"version": _version()})
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if engine.failure else 200)
 
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})

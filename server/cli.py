@@ -147,7 +147,12 @@ async def serve(args: argparse.Namespace) -> None:
     async def drain_then_stop() -> None:
         """SIGTERM: refuse new requests, let running ones finish for --shutdown-timeout
         seconds, abort the rest, then let Hypercorn close (flushing the last stream events)."""
-        await stop.wait()
+        failed = asyncio.ensure_future(engine.wait_failed())
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), failed],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():  # a worker died: its requests have failed; nothing more can run
+            log.error("engine_failed", reason=engine.failure)
+            return
         log.info("shutdown_started", timeout_s=server.shutdown_timeout)
         app.draining = True
         await engine.drain(server.shutdown_timeout)
@@ -165,6 +170,8 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         await engine.shutdown()
         log.info("stopped")
+    if engine.failure:
+        raise SystemExit(f"pagedserve: error: the engine failed: {engine.failure}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.structured_output_config import StructuredOutputConfig
-from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
 
 if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not wait for it
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not 
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
-    ModelConfig, CacheConfig, SchedulerConfig, StructuredOutputConfig, ServingConfig, ServerConfig,
+    ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, StructuredOutputConfig, ServingConfig, ServerConfig,
 )
 
 C = TypeVar("C")
@@ -183,6 +183,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=from_args(ModelConfig, args, model=args.model or args.model_tag),
         cache=from_args(CacheConfig, args),
+        parallel=from_args(ParallelConfig, args),
         scheduler=from_args(SchedulerConfig, args),
         structured_output=from_args(StructuredOutputConfig, args),
     )

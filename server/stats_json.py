@@ -29,7 +29,8 @@ def stats_json(stats: EngineStats, model_name: str) -> dict[str, Any]:
         "steps": [step_json(s) for s in stats.steps],
         "throughput": throughput_json(stats.throughput),
         "model": {"name": model_name, "path": m.path, "dtype": m.dtype, "device": m.device,
-                  "quantization": m.quantization, "max_model_len": m.max_model_len},
+                  "quantization": m.quantization, "max_model_len": m.max_model_len,
+                  "parallel": m.parallel_layout},  # per rank: layers, heads, vocab, pid
         "config": stats.config,
         "time": stats.time,
     }

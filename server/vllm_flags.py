@@ -5,14 +5,14 @@ that says what to do instead; never stop at the first unknown flag, nor take a f
 MODEL. Two kinds:
 
 - harmless (``IGNORED``): they tune something pagedserve does not have or does one way only
-  (uvicorn's logging, the frontend process, Ray, remote code: pagedserve runs its own model
+  (uvicorn's logging, the frontend process, remote code: pagedserve runs its own model
   code). They are parsed with their value, and ``serve`` logs one ``vllm_flags_ignored``
   warning naming them;
 - refused (``REFUSED``): they ask for behaviour pagedserve does not have (LoRA,
-  TLS, tensor parallelism, another tokenizer, quantized checkpoints): ``serve`` exits with the
+  TLS, data parallelism, another tokenizer, quantized checkpoints): ``serve`` exits with the
   flag and what pagedserve does instead, under ``serve``'s usage line.
 
-A flag's value that makes it harmless (``--tensor-parallel-size 1``, ``--kv-cache-dtype auto``)
+A flag's value that makes it harmless (``--data-parallel-size 1``, ``--kv-cache-dtype auto``)
 is in ``HARMLESS_VALUES``. Names are vLLM's (``vllm/engine/arg_utils.py``,
 ``vllm/entrypoints/openai/cli_args.py``); none is a pagedserve flag (a test holds them apart).
 """
@@ -40,7 +40,6 @@ IGNORED: dict[str, int | str] = {
     "--tokenizer-mode": 1,
     "--generation-config": 1,
     "--max-seq-len-to-capture": 1,
-    "--distributed-executor-backend": 1,
     "--worker-use-ray": 0,
     "--disable-custom-all-reduce": 0,
     "--disable-async-output-proc": 0,
@@ -57,10 +56,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--ssl-keyfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),
     "--ssl-certfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),
     "--root-path": (1, "serve at / behind a proxy that strips the prefix"),
-    "--tensor-parallel-size": (1, "one device per server: run one server per device"),
-    "-tp": (1, "one device per server: run one server per device"),
-    "--pipeline-parallel-size": (1, "one device per server: run one server per device"),
-    "-pp": (1, "one device per server: run one server per device"),
     "--data-parallel-size": (1, "one engine per server: run one server per device"),
     "--kv-cache-dtype": (1, "the KV cache is kept in --dtype"),
     "--cpu-offload-gb": (1, "weights stay on --device"),
@@ -72,8 +67,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
 }
 
 HARMLESS_VALUES: dict[str, frozenset[str]] = {
-    "--tensor-parallel-size": frozenset({"1"}), "-tp": frozenset({"1"}),
-    "--pipeline-parallel-size": frozenset({"1"}), "-pp": frozenset({"1"}),
     "--data-parallel-size": frozenset({"1"}),
     "--kv-cache-dtype": frozenset({"auto"}),
     "--task": frozenset({"auto", "generate"}), "--runner": frozenset({"auto", "generate"}),

@@ -20,7 +20,7 @@ from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.engine import AsyncEngine, EngineConfig
 from pagedserve.actors.structured_output import StructuredOutputConfig
 from pagedserve.gpu import loader
-from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.launch import running_server
 from pagedserve.server.serving import ServingConfig
 from tests import triton_interpreter  # noqa: F401  (TRITON_INTERPRET before triton loads)
@@ -100,6 +100,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
         ),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),
+        parallel=kw.pop("parallel", ParallelConfig()),
     )
 
 

@@ -18,6 +18,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
 from pagedserve.gpu.layer_ops import LayerOps, RopeStep, TorchLayerOps
 from pagedserve.gpu.layer_ops import apply_rope as apply_rope  # the reference, for tests
+from pagedserve.gpu.parallel.comm import ParallelContext
+from pagedserve.gpu.parallel.layers import PPMissingLayer, VocabParallelEmbedding
+from pagedserve.gpu.parallel.layout import local_config
 from pagedserve.gpu.step_inputs import StepInputs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cache)
@@ -99,8 +102,13 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps):
+    """With tensor parallelism ``config`` is the rank's share (``parallel.layout.
+    local_config``: its heads), and ``parallel`` sums ``o_proj``'s partial outputs."""
+
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        self.parallel = parallel
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = attention_head_size(config)
@@ -122,12 +130,15 @@ class LlamaAttention(nn.Module):
                                       self.head_size)
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_size))
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: LayerOps):
+    def __init__(self, config: PretrainedConfig, ops: LayerOps,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        self.parallel = parallel
         h, i = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         # gate and up in one matmul (HF's gate_proj/up_proj concatenated at load time).
@@ -136,15 +147,17 @@ class LlamaMLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] → [T, H]
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] → [T, H]
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, backend, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, backend, ops, parallel)
+        self.mlp = LlamaMLP(config, ops, parallel)
         self.input_layernorm = RMSNorm(h, eps, ops)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
 
@@ -160,15 +173,33 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """``config``: the full model's; ``local``: this rank's share (``local_config``), the
+    same object without parallelism. A pipeline stage builds only its layers (the others are
+    ``PPMissingLayer``s, so the layer indices stay global), the first stage the embedding, the
+    last the final norm."""
+
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
-                 ops: LayerOps):
+                 ops: LayerOps, parallel: ParallelContext | None = None,
+                 local: PretrainedConfig | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        local = local or config
+        lay = parallel.layout if parallel is not None else None
+        first, last = (lay.layers if lay else (0, config.num_hidden_layers))
+        if lay is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        elif lay.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                lay.vocab_per_rank, config.hidden_size, lay.vocab[0], parallel)
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, ops) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(local, backend, ops, parallel) if first <= i < last
+            else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+                     if lay is None or lay.is_last_stage else PPMissingLayer())
         self.rotary_emb = RotaryEmbedding(config, attention_head_size(config), max_positions)
+        self.first_layer, self.end_layer = first, last
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,21 +218,29 @@ class LlamaForCausalLM(nn.Module):
                       ("gate_up_proj", ("gate_proj", "up_proj")))
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
-                 ops: LayerOps | None = None):
+                 ops: LayerOps | None = None, parallel: ParallelContext | None = None):
         super().__init__()
         self.config = config
         self.ops = ops or TorchLayerOps()
-        self.model = LlamaModel(config, backend, max_positions, self.ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel
+        # What this rank's KV cache holds (its KV heads, its stage's layers).
+        self.kv_config = config if parallel is None else local_config(config, parallel.layout)
+        self.model = LlamaModel(config, backend, max_positions, self.ops, parallel,
+                                self.kv_config)
+        if parallel is None or parallel.layout.is_last_stage:
+            self.lm_head = nn.Linear(config.hidden_size, self.kv_config.vocab_size, bias=False)
+        else:
+            self.lm_head = PPMissingLayer()
         self.tie_weights()
 
     @classmethod
     def build(cls, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
-              ops: LayerOps, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+              ops: LayerOps, device: torch.device, dtype: torch.dtype,
+              parallel: ParallelContext | None = None) -> LlamaForCausalLM:
         """The model on ``device`` in ``dtype``, its parameters allocated but not initialised
         (the weights are loaded next: no time spent on random init), its buffers computed."""
         with torch.device("meta"):
-            model = cls(config, backend, max_positions, ops)
+            model = cls(config, backend, max_positions, ops, parallel)
         model = model.to_empty(device=device).to(dtype)
         model.init_buffers(device)
         return model
@@ -213,17 +252,31 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if getattr(self.config, "tie_word_embeddings", False):
+        both = not isinstance(self.lm_head, PPMissingLayer) and not isinstance(
+            self.model.embed_tokens, PPMissingLayer)  # not on different pipeline stages
+        if getattr(self.config, "tie_word_embeddings", False) and both:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor:
-        """float32 logits ``[len(inputs.logits_indices), vocab]`` of the step's sampled rows."""
-        x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
-        rope = self.model.rotary_emb.step(inputs.positions)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+    def forward(self, inputs: StepInputs, kv_caches: list[KVCache]) -> torch.Tensor | None:
+        """float32 logits ``[len(inputs.logits_indices), vocab]`` of the step's sampled rows.
+
+        ``kv_caches``: one per layer this rank runs. Under parallelism, only the rank that
+        samples (``RankLayout.is_driver``) gets the logits; the others return ``None``.
+        """
+        pp, m = self.parallel, self.model
+        if pp is None or pp.layout.is_first_stage:
+            x, residual = m.embed_tokens(inputs.input_ids), None  # [T, hidden]
+        else:
+            x, residual = pp.recv_prev(inputs.input_ids.shape[0], self.config.hidden_size,
+                                       m.layers[m.first_layer].input_layernorm.weight.dtype)
+        rope = m.rotary_emb.step(inputs.positions)
+        for layer, kv_cache in zip(m.layers[m.first_layer:m.end_layer], kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, inputs.attn)
+        if pp is not None and not pp.layout.is_last_stage:
+            pp.send_next(x, residual)
+            return None
         # Only the rows that are sampled.
         rows = inputs.logits_indices
-        x, _ = self.model.norm(x[rows], residual[rows])
-        return self.lm_head(x).float()
+        x, _ = m.norm(x[rows], residual[rows])
+        logits = self.lm_head(x).float()
+        return logits if pp is None else pp.gather_logits(logits, self.config.vocab_size)

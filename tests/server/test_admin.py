@@ -224,8 +224,9 @@ async def test_stats_json_shape(client):
     assert set(s["steps"][0]) == {"batch_size", "prefill_tokens", "decode_tokens", "duration_ms"}
     assert set(s["throughput"]) == {"window_s", "prompt_tokens_per_s", "generation_tokens_per_s"}
     assert set(s["model"]) == {"name", "path", "dtype", "device", "quantization",
-                               "max_model_len"}
-    assert set(s["config"]) == {"model", "cache", "scheduler", "structured_output"}
+                               "max_model_len", "parallel"}
+    assert s["model"]["parallel"] is None  # one process: no ranks
+    assert set(s["config"]) == {"model", "cache", "parallel", "scheduler", "structured_output"}
     await wait_idle(client)
 
 

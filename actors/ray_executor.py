@@ -1,0 +1,108 @@
+"""The executor actor over Ray actors (``--distributed-executor-backend ray``; vLLM's
+``RayDistributedExecutor``, read to learn only): the same ``gpu.worker.Worker`` per rank and the
+same torch.distributed groups as the mp backend, placed by a placement group of one bundle per
+rank (one CPU, or one GPU on CUDA) across the machines of a running Ray cluster
+(``RAY_ADDRESS``, or ``ray start --head`` on this machine), else on a local Ray instance that
+this executor starts and stops.
+
+Each step the ``SchedulerOutput`` goes to every actor (Ray serialises it once into its object
+store); the sampled tokens come back from the driver rank. Any rank that raises or dies ends
+the step with ``WorkerFailed``, as with the mp backend.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import structlog
+
+from pagedserve.actors.multiproc_executor import MultiprocExecutor, WorkerFailed, merge_infos
+from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
+from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.worker import Worker
+
+log = structlog.get_logger(__name__)
+
+
+def import_ray():
+    """``ray``, or a one-line ``ValueError`` saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
+                         "'pagedserve[ray]' (or pip install ray)") from None
+    return ray
+
+
+class RayExecutor(MultiprocExecutor):
+    """``MultiprocExecutor``'s step loop and failure handling, with Ray actors for ranks."""
+
+    name = "executor"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ray = import_ray()
+        self.actors: list = []
+        self.placement_group = None
+        self._started_ray = False
+
+    def _load(self) -> ModelInfo:
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+            self._started_ray = True
+        cuda = self.specs[0].model_config.device == "cuda"
+        bundle = {"GPU": 1} if cuda else {"CPU": 1}
+        self.placement_group = placement_group([bundle] * len(self.specs), strategy="PACK")
+        ray.get(self.placement_group.ready(), timeout=300)
+        remote = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else 1)(Worker)
+        self.actors = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.placement_group, placement_group_bundle_index=s.rank)).remote(s)
+            for s in self.specs]
+        init_method = self._get([self.actors[0].rendezvous.remote()])[0]
+        self._get([a.init.remote(init_method) for a in self.actors])
+        replies = self._get([a.load.remote() for a in self.actors])
+        info = merge_infos(replies)
+        for lay in info.parallel_layout:
+            log.info("parallel_rank", backend="ray", **lay)
+        return info
+
+    def _get(self, refs: list) -> list:
+        """Every result, in order; the first error or dead actor raises ``WorkerFailed``."""
+        ray, pending = self.ray, list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except Exception as e:  # RayActorError (died), RayTaskError (raised)
+                rank = refs.index(ready[0]) if len(refs) == len(self.actors) else 0
+                self._fail(f"worker rank {rank}: {type(e).__name__}: {e}".splitlines()[0])
+        return ray.get(refs)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.failure is not None:
+            raise WorkerFailed(self.failure)
+        start = time.perf_counter()
+        ref = self.ray.put(so)  # serialised once, read by every rank
+        refs = [a.execute.remote(ref) for a in self.actors]
+        self.broadcast_seconds += time.perf_counter() - start
+        self.num_steps += 1
+        return self._get(refs)[self.driver_rank]
+
+    def _shutdown_workers(self, grace_s: float = 0.0) -> None:
+        ray = self.ray
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
