@@ -94,7 +94,7 @@ class Worker:
         device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         parallel = ParallelContext.init(layout, init_method or spec.init_method, device)
         self.runner = ModelRunner(mc, spec.cache_config, spec.max_num_batched_tokens,
-                                  spec.max_num_seqs, parallel)
+                                  spec.max_num_seqs, parallel=parallel)
 
     def load(self):
         """``(ModelInfo, RankLayout.describe() with the pid)``."""
