@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,21 +202,25 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
             elif builder.echo is not None:
                 yield chunk([builder.choice(i, builder.echo, None, [], None, chunk=True)],
                             first=i == 0)
-        async for i, d in merge(streams):
-            pending[i].extend(d.token_ids)
-            if d.logprobs:
-                pending_lp[i].extend(d.logprobs)
-            offset = len(tally.texts[i])
-            tally.add(i, d)
-            if not d.text and d.finish_reason is None:
-                continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-            yield chunk([builder.choice(i, d.text, d.finish_reason, pending[i],
-                                        pending_lp[i] or None, chunk=True, offset=offset)])
-            pending[i], pending_lp[i] = [], []
+        async with aclosing(merge(streams)) as deltas:  # closed here, never by the GC
+            async for i, d in deltas:
+                pending[i].extend(d.token_ids)
+                if d.logprobs:
+                    pending_lp[i].extend(d.logprobs)
+                offset = len(tally.texts[i])
+                tally.add(i, d)
+                if not d.text and d.finish_reason is None:
+                    continue  # nothing to show yet (held back for a stop string or a char)
+                yield chunk([builder.choice(i, d.text, d.finish_reason, pending[i],
+                                            pending_lp[i] or None, chunk=True, offset=offset)])
+                pending[i], pending_lp[i] = [], []
         if include_usage:
             body = builder.envelope([], chunk=True)
             body["usage"] = builder.usage(sum(tally.tokens))
             yield json.dumps(body)
+    except (asyncio.CancelledError, GeneratorExit):  # sse-starlette: the client went away
+        log.info("client_disconnected", request_id=builder.request_id)
+        raise
     except Exception as e:  # the stream already started: report in-band, then end it
         status = 503 if isinstance(e, EngineShuttingDown) else 500
         if status == 503:
@@ -238,10 +243,11 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
     token_ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     try:
-        async for i, d in merge(streams):
-            tally.add(i, d)
-            token_ids[i].extend(d.token_ids)
-            lps[i].extend(d.logprobs or [])
+        async with aclosing(merge(streams)) as deltas:
+            async for i, d in deltas:
+                tally.add(i, d)
+                token_ids[i].extend(d.token_ids)
+                lps[i].extend(d.logprobs or [])
     except EngineError as e:
         status = 503 if isinstance(e, EngineShuttingDown) else 500
         raise OpenAIError(str(e), status=status) from e

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -83,11 +84,11 @@ class Serving:
         if body.min_tokens > (max_tokens or room):
             raise OpenAIError("min_tokens: must not exceed max_tokens", param="min_tokens")
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-        if any(not 0 <= t < self.vocab_size for t in bias):
-            raise OpenAIError(f"logit_bias: token ids must be in [0, {self.vocab_size})",
-                              param="logit_bias")
-        return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        self.check_token_ids(bias, "logit_bias")
+        self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        return SamplingParams(  # top_k past the vocabulary means all of it (no int64 overflow)
+            temperature=body.temperature, top_p=body.top_p,
+            top_k=min(body.top_k, self.vocab_size), min_p=body.min_p,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias, seed=body.seed,
             max_tokens=max_tokens if max_tokens is not None else room,
@@ -140,13 +141,20 @@ class Serving:
             raise
         return streams
 
+    def check_token_ids(self, ids: Iterable[int], param: str) -> None:
+        """A 400 naming the first id outside the vocabulary, and the vocabulary's size."""
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise OpenAIError(f"{param}: token id {t} is out of vocabulary (the "
+                                  f"vocabulary has {self.vocab_size} tokens, ids 0 to "
+                                  f"{self.vocab_size - 1})", param=param)
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise OpenAIError(f"prompt: token ids must be in [0, {self.vocab_size})",
-                              param="prompt")
-        return list(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_token_ids(ids, "prompt")
+        if not ids:
+            raise OpenAIError("prompt: a prompt must be given and non-empty", param="prompt")
+        return ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,7 @@ from pagedserve.actors.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.launch import running_server, start_server_process
 from pagedserve.server.serving import ServingConfig
-from tests.conftest import chat, engine_config, serve, stats
+from tests.conftest import chat, engine_config, serve, stats, until_stats
 
 MSG = [{"role": "user", "content": "Say something."}]
 
@@ -278,3 +279,147 @@ async def test_tokenizer_failure_fails_only_its_request(tiny_model_dir):
                 assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
     finally:
         await engine.shutdown()
+
+
+# -- hostile inputs: each an OpenAI-shaped 4xx, never a 500 ----------------------------------
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_CHAT_HEAD = b'{"messages": [{"role": "user", "content": '
+
+
+def _chat_raw(content: bytes, tail: bytes = b"") -> bytes:
+    return _CHAT_HEAD + content + b"}]" + tail + b"}"
+
+
+HOSTILE = [  # (path, raw body, param, words the message must hold)
+    (CHAT, b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}", "messages", "nested deeper"),
+    (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", None, "nested deeper"),
+    (CHAT, b"[" * 100_000 + b"]" * 100_000, None, "nested deeper"),
+    (CHAT, _chat_raw(b'"hi"', b', "max_tokens": ' + b"7" * 5000), None, "not valid JSON"),
+    (CHAT, _chat_raw(b'"a \\ud800 b"'), "messages", "lone surrogate"),
+    (CHAT, _chat_raw(b'"a \xed\xa0\x80 b"'), "messages", "lone surrogate"),
+    (COMPLETIONS, b'{"prompt": "x\\udfff"}', "prompt", "lone surrogate"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt", "lone surrogate"),
+    (CHAT, _chat_raw(b'"hi"', b', "stop": ["\\ud800"]'), "stop", "lone surrogate"),
+    (CHAT, _chat_raw(b'"hi"', b', "model": "m\\ud800"'), "model", "lone surrogate"),
+    (CHAT, _chat_raw(b'"hi"', '"logit_bias": {"²": 1}'.encode().join([b", ", b""])),
+     "logit_bias", "not a token id"),
+    (CHAT, _chat_raw(b'"hi"', '"logit_bias": {"¹": 1}'.encode().join([b", ", b""])),
+     "logit_bias", "not a token id"),
+    (CHAT, _chat_raw(b'"hi"', b', "logit_bias": {"--5": 1}'), "logit_bias", "not a token id"),
+    (CHAT, _chat_raw(b'"hi"', '"logit_bias": {"٣": 1}'.encode().join([b", ", b""])),
+     "logit_bias", "not a token id"),
+    (CHAT, _chat_raw(b'"hi"', b', "min_tokens": 3, "stop_token_ids": [49152]'),
+     "stop_token_ids", "token id 49152 is out of vocabulary (the vocabulary has 49152"),
+    (CHAT, _chat_raw(b'"hi"', b', "stop_token_ids": [5, -1]'),
+     "stop_token_ids", "token id -1 is out of vocabulary (the vocabulary has 49152"),
+    (CHAT, _chat_raw(b'"hi"', b', "logit_bias": {"-5": 1}'), "logit_bias", "token id -5"),
+    (CHAT, _chat_raw(b'"hi"', b', "logit_bias": {"999999": 1}'), "logit_bias",
+     "token id 999999 is out of vocabulary"),
+    (CHAT, _chat_raw(b'"hi"', b', "stream": "true"'), "stream", "valid boolean"),
+    (CHAT, _chat_raw(b'"hi"', b', "max_tokens": "12"'), "max_tokens", "valid integer"),
+    (CHAT, _chat_raw(b'"hi"', b', "max_tokens": true'), "max_tokens", "valid integer"),
+    (CHAT, _chat_raw(b'[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]'),
+     "messages", "text content parts only"),
+    (COMPLETIONS, b'{"prompt": ""}', "prompt", "a prompt must be given and non-empty"),
+    (COMPLETIONS, b'{"prompt": []}', "prompt", "a prompt must be given and non-empty"),
+    (COMPLETIONS, b'{"max_tokens": 3}', "prompt", "a prompt must be given and non-empty"),
+    (COMPLETIONS, b'{"prompt": [1, 60000]}', "prompt", "token id 60000 is out of vocabulary"),
+    ("/detokenize", b'{"tokens": [-3]}', "tokens", "token id -3 is out of vocabulary"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def hostile_client(tiny_model_dir):
+    async with serve(tiny_model_dir, max_model_len=128,
+                     app_kwargs={"body_read_timeout_s": 0.5}) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path,raw,param,words", HOSTILE,
+                         ids=[f"{i}-{h[0]}" for i, h in enumerate(HOSTILE)])
+async def test_hostile_input_is_an_openai_400(hostile_client, path, raw, param, words):
+    r = await hostile_client.post(path, content=raw,
+                                  headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["param"] == param, err
+    assert words in err["message"], err
+
+
+async def test_huge_top_k_means_the_whole_vocabulary(hostile_client, capfd):
+    """2⁶³ overflowed int64 in the sampler (and the batch was rerun request by request)."""
+    body = {"prompt": "Once upon", "max_tokens": 6, "temperature": 1.0, "seed": 7,
+            "ignore_eos": True, "return_token_ids": True}
+    huge = await hostile_client.post(COMPLETIONS, json={**body, "top_k": 2**63})
+    off = await hostile_client.post(COMPLETIONS, json={**body, "top_k": -1})
+    assert huge.status_code == 200, huge.text
+    assert huge.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
+    assert "step_failed" not in capfd.readouterr().out  # the batch was not rerun one by one
+
+
+async def _raw_http(url: str, request: bytes, then_wait: bool = True) -> bytes:
+    """Send ``request`` bytes as they are; read the answer until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 120)  # a hung server, not a slow one
+    finally:
+        writer.close()
+
+
+def _split_response(raw: bytes) -> tuple[int, dict[str, str], dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+     b"content-length: 12abc\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 65536 + b"\r\n\r\n{}", 431),
+])
+async def test_malformed_http_gets_an_openai_error_body(hostile_client, request_bytes, status):
+    got, headers, body = _split_response(
+        await _raw_http(str(hostile_client.base_url), request_bytes))
+    assert got == status and headers["content-type"] == "application/json"
+    assert body["error"]["code"] == status and body["error"]["message"]
+    assert (await hostile_client.get("/health")).status_code == 200
+
+
+async def test_body_stalled_mid_way_gets_408_and_the_connection_closes(hostile_client):
+    """The server (0.5 s body read timeout) answers and hangs up: reading to EOF returns."""
+    partial = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+               b"\r\ncontent-length: 100\r\n\r\n{\"prompt\": \"")
+    got, headers, body = _split_response(await _raw_http(str(hostile_client.base_url), partial))
+    assert got == 408 and body["error"]["type"] == "RequestTimeoutError"
+    assert headers.get("connection") == "close"
+
+
+async def test_client_gone_mid_body_or_mid_stream_is_no_error(tiny_model_dir, capfd):
+    """A client closing mid-body, and an ``n = 3`` stream whose client hangs up, are normal
+    events: logged as disconnects, without tracebacks, and every block comes back."""
+    async with serve(tiny_model_dir, max_model_len=256) as client:
+        url = str(client.base_url)
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\"")
+        await writer.drain()
+        writer.close()
+        body = {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "n": 3, "stream": True}
+        async with client.stream("POST", CHAT, json=body) as r:
+            async for line in r.aiter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    break  # hang up once tokens flow
+        await until_stats(client, lambda s: s["scheduler"]["num_running"] == 0
+                          and s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"],
+                          "freed every block after the hang-ups")
+        assert (await chat(client, "still here", max_tokens=2))["choices"]
+    out, err = capfd.readouterr()
+    assert out.count("client_disconnected") >= 2, out
+    for bad in ("Traceback", "unhandled_error", "already running", "stream_failed"):
+        assert bad not in out + err, out + err
