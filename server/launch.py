@@ -38,6 +38,9 @@ def hypercorn_config(host: str, port: int) -> Config:
     config.errorlog = None
     config.graceful_timeout = 5.0
     config.h11_max_incomplete_size = MAX_HEADER_BYTES
+    # Hypercorn's 100 drops connections when many clients connect at once (200 in issue 16's
+    # mass cancellation); uvicorn, which vLLM serves with, takes 2048.
+    config.backlog = 2048
     H11Protocol._send_error_response = _send_openai_error_response  # type: ignore[method-assign]
     return config
 

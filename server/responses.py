@@ -262,9 +262,16 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
     return body
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any],
-                           streams: list[RequestStream]) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it and abort the requests."""
+async def until_disconnect(request: Request, work: Awaitable[Any], request_id: str,
+                           streams: list[RequestStream] | None = None) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (aborting the requests it
+    started or was starting: ``AsyncEngine.add_request`` aborts when cancelled) and close
+    ``streams``; the answer is then a 499 nobody reads.
+
+    Watched from the moment the body is read, not only once the requests are accepted: a
+    client that leaves while its request waits for the scheduler (busy with a step) is then
+    aborted in the same mailbox drain that would have admitted it, so no step ever computes
+    for it (issue 16's mass cancellation)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -279,8 +286,8 @@ async def until_disconnect(request: Request, work: Awaitable[Any],
         if not task.done():
             task.cancel()  # its own cleanup closes the streams, which aborts the requests
             await asyncio.gather(task, return_exceptions=True)
-            close_all(streams)
-            log.info("client_disconnected", request_id=streams[0].request_id)
+            close_all(streams or [])
+            log.info("client_disconnected", request_id=request_id)
     if task.cancelled():
         return JSONResponse(error_body("client disconnected", 499), status_code=499)
     return task.result()

@@ -195,9 +195,13 @@ class Serving:
 
     async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
                        params: SamplingParams, chat: bool, echo: str | None = None):
-        grammar = await self._structured_outputs(body, params)
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        streams = await self._start(request_id, prompt_ids, params, body, grammar)
+        started = await until_disconnect(
+            request, self._compile_and_start(request_id, prompt_ids, params, body),
+            request_id)
+        if not isinstance(started, list):
+            return started  # the client left before its requests were accepted
+        streams: list[RequestStream] = started
         builder = ResponseBuilder(
             request_id=request_id, created=int(time.time()),
             model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,
@@ -212,10 +216,17 @@ class Serving:
                                 include_usage=bool(opts and opts.include_usage),
                                 continuous_usage=bool(opts and opts.continuous_usage_stats))
             return EventSourceResponse(events, sep="\n", headers=headers)
-        answer = await until_disconnect(request, collect(builder, streams, on_done), streams)
+        answer = await until_disconnect(request, collect(builder, streams, on_done),
+                                        request_id, streams)
         if isinstance(answer, dict):
             return JSONResponse(answer, headers=headers)
         return answer
+
+    async def _compile_and_start(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, body: Any,
+    ) -> list[RequestStream]:
+        grammar = await self._structured_outputs(body, params)
+        return await self._start(request_id, prompt_ids, params, body, grammar)
 
     def _logger(self, request_id: str, prompt: str, num_prompt: int) -> OnDone:
         start = time.monotonic()
