@@ -1,5 +1,6 @@
-"""No input crashes the server or leaks a block; one request's failure stays its own; SIGTERM
-drains and exits cleanly."""
+"""No input crashes the server or leaks a block; one request's failure stays its own; clients
+that leave (mid-body, mid-stream, 200 at once) are normal events; SIGTERM drains and exits
+cleanly. The hypothesis fuzz over request bodies is in ``test_fuzz.py``."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import pagedserve.gpu.model_runner
 from pagedserve.actors.detokenizer import IncrementalDetokenizer
@@ -87,99 +85,6 @@ async def test_detokenizer_failure_fails_only_its_request(tiny_model_dir, monkey
                 break
             await asyncio.sleep(0.01)
         assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
-
-
-# -- property-based: any body gets a completion or a 4xx error object, never a 500 ---------
-
-_any = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
-    | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=3),
-    max_leaves=6,
-)
-_fields = {
-    "model": st.sampled_from(["tiny-llama", "other"]) | _any,
-    "messages": st.lists(st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus"]),
-         "content": st.text(max_size=30) | _any}), max_size=3) | _any,
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 60000), max_size=5) | _any,
-    "max_tokens": st.integers(-2, 6) | _any, "temperature": st.floats(-1, 3) | _any,
-    "top_p": st.floats(-0.5, 1.5) | _any, "top_k": st.integers(-3, 50) | _any,
-    "min_p": st.floats(-1, 2) | _any, "n": st.integers(-1, 3) | _any,
-    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3) | _any,
-    "stream": st.booleans() | _any, "logprobs": st.booleans() | st.integers(-1, 25) | _any,
-    "top_logprobs": st.integers(-1, 25) | _any, "seed": st.integers() | _any,
-    "logit_bias": st.dictionaries(st.text(max_size=6), st.floats(-200, 200), max_size=2) | _any,
-    "stop_token_ids": st.lists(st.integers(-3, 60000), max_size=3) | _any,
-    "min_tokens": st.integers(-1, 10) | _any, "echo": st.booleans() | _any,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _any,
-    "repetition_penalty": st.floats(-1, 3) | _any, "presence_penalty": st.floats(-3, 3) | _any,
-    "continue_final_message": st.booleans() | _any, "cache_salt": st.text(max_size=4) | _any,
-}
-_bodies = st.fixed_dictionaries({}, optional=_fields)
-
-
-class _ServerThread:
-    """An engine and a real server in a thread of their own, for synchronous hypothesis."""
-
-    def __init__(self, model_dir: Path):
-        self.ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stop: asyncio.Event | None = None
-        self.url = ""
-        self.thread = threading.Thread(target=asyncio.run, args=(self._main(model_dir),),
-                                       daemon=True)
-        self.thread.start()
-        assert self.ready.wait(60)
-
-    async def _main(self, model_dir: Path) -> None:
-        self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
-        engine = await AsyncEngine.start(engine_config(model_dir, max_model_len=128))
-        async with running_server(engine, ServingConfig("tiny-llama")) as url:
-            self.url = url
-            self.ready.set()
-            await self.stop.wait()
-        await engine.shutdown()
-
-    def close(self) -> None:
-        assert self.loop is not None and self.stop is not None
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def threaded_server(tiny_model_dir):
-    server = _ServerThread(tiny_model_dir)
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-    server.close()
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
-def test_fuzzed_bodies_never_500(threaded_server, body, path):
-    r = threaded_server.post(path, content=json.dumps(body, allow_nan=True),
-                             headers={"content-type": "application/json"})
-    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
-    if r.status_code != 200:
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["code"] == r.status_code
-    elif body.get("stream") is True:
-        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
-    else:
-        assert r.json()["choices"]
-
-
-def test_fuzzing_leaked_no_block(threaded_server):
-    deadline = time.monotonic() + 120  # a hung server, not a slow one
-    while True:  # aborted streams may take one scheduler step to be freed
-        s = threaded_server.get("/admin/stats").json()
-        if s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]:
-            break
-        assert time.monotonic() < deadline, s
-        time.sleep(0.05)
-    assert s["scheduler"]["num_running"] == s["scheduler"]["num_waiting"] == 0
 
 
 # -- SIGTERM ----------------------------------------------------------------------------------
