@@ -262,27 +262,37 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
     return body
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any], request_id: str,
-                           streams: list[RequestStream] | None = None) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it (aborting the requests it
-    started or was starting: ``AsyncEngine.add_request`` aborts when cancelled) and close
-    ``streams``; the answer is then a 499 nobody reads.
+class DisconnectWatch:
+    """Watches one request's ASGI ``receive`` for ``http.disconnect`` from the moment the body
+    has been read, so that a client that leaves while its request still waits for the
+    scheduler (busy with a step) is noticed then, and its request aborted in the very mailbox
+    drain that would have admitted it: no step ever computes for it (issue 16's mass
+    cancellation). ``stop`` it before another reader (sse-starlette) takes ``receive`` over."""
 
-    Watched from the moment the body is read, not only once the requests are accepted: a
-    client that leaves while its request waits for the scheduler (busy with a step) is then
-    aborted in the same mailbox drain that would have admitted it, so no step ever computes
-    for it (issue 16's mass cancellation)."""
-    task = asyncio.ensure_future(work)
+    def __init__(self, request: Request):
+        self.gone = asyncio.Event()
+        self._task = asyncio.ensure_future(self._watch(request))
 
-    async def disconnected() -> None:
+    async def _watch(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        self.gone.set()
 
-    watcher = asyncio.ensure_future(disconnected())
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def until_disconnect(watch: DisconnectWatch, work: Awaitable[Any], request_id: str,
+                           streams: list[RequestStream] | None = None) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts the requests it
+    started or was starting: ``AsyncEngine.add_request`` aborts when cancelled), close
+    ``streams``, and answer 499 (nobody reads it)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(watch.gone.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        gone.cancel()
         if not task.done():
             task.cancel()  # its own cleanup closes the streams, which aborts the requests
             await asyncio.gather(task, return_exceptions=True)

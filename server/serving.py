@@ -25,10 +25,11 @@ from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig
-from pagedserve.server.errors import OpenAIError
+from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import (
+    DisconnectWatch,
     OnDone,
     RequestSummary,
     ResponseBuilder,
@@ -196,12 +197,29 @@ class Serving:
     async def _respond(self, request: Request, body: Any, prompt: str, prompt_ids: list[int],
                        params: SamplingParams, chat: bool, echo: str | None = None):
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        started = await until_disconnect(
-            request, self._compile_and_start(request_id, prompt_ids, params, body),
-            request_id)
-        if not isinstance(started, list):
-            return started  # the client left before its requests were accepted
-        streams: list[RequestStream] = started
+        watch = DisconnectWatch(request)
+        try:
+            started = await until_disconnect(
+                watch, self._compile_and_start(request_id, prompt_ids, params, body),
+                request_id)
+            if not isinstance(started, list):
+                return started  # the client left before its requests were accepted
+            streams: list[RequestStream] = started
+            if body.stream:
+                watch.stop()  # sse-starlette watches from here on
+            if watch.gone.is_set():  # left just as they were accepted
+                close_all(streams)
+                log.info("client_disconnected", request_id=request_id)
+                return JSONResponse(error_body("client disconnected", 499), status_code=499)
+            return await self._answer(watch, request_id, body, prompt, prompt_ids, streams,
+                                      chat, echo)
+        finally:
+            watch.stop()
+
+    async def _answer(self, watch: DisconnectWatch, request_id: str, body: Any, prompt: str,
+                      prompt_ids: list[int], streams: list[RequestStream], chat: bool,
+                      echo: str | None):
+        """The SSE response, or the whole answer once every choice has finished."""
         builder = ResponseBuilder(
             request_id=request_id, created=int(time.time()),
             model=self.config.served_model_name, chat=chat, tokenizer=self.tokenizer,
@@ -216,7 +234,7 @@ class Serving:
                                 include_usage=bool(opts and opts.include_usage),
                                 continuous_usage=bool(opts and opts.continuous_usage_stats))
             return EventSourceResponse(events, sep="\n", headers=headers)
-        answer = await until_disconnect(request, collect(builder, streams, on_done),
+        answer = await until_disconnect(watch, collect(builder, streams, on_done),
                                         request_id, streams)
         if isinstance(answer, dict):
             return JSONResponse(answer, headers=headers)
