@@ -3,7 +3,8 @@ requests with ``max_tokens`` = ``min_tokens`` = 10,000 whose clients give up aft
 one request with ``max_tokens`` 10. What counts is how long that last one takes to be answered
 (the issue's bound: 5 s); also reported: how long the server takes, from the moment the 200
 clients have given up, to hold no running or waiting request, and whether its blocks all came
-back.
+back. Machine-independent: the tokens computed for the 200 (every one of them gone), and
+the steps run in all.
 
 Runs ``pagedserve serve`` on the default model (SmolLM2-135M-Instruct) with a context long
 enough for the 10,000 tokens, unless ``--url`` names a running server.
@@ -62,7 +63,8 @@ async def idle_after(client: httpx.AsyncClient, start: float) -> tuple[float, di
 
 async def run(url: str, n: int, client_timeout: float) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        before = (await client.get("/admin/stats")).json()["kv_cache"]["num_free_blocks"]
+        start_stats = (await client.get("/admin/stats")).json()
+        before = start_stats["kv_cache"]["num_free_blocks"]
         start = time.perf_counter()
         ends = await give_up(url, n, client_timeout)
         gave_up = time.perf_counter()
@@ -72,6 +74,10 @@ async def run(url: str, n: int, client_timeout: float) -> dict:
         last_s = time.perf_counter() - gave_up
         idle_s, s = await idle
         r.raise_for_status()
+        usage = r.json()["usage"]
+        # What the server computed for clients that were all gone: everything since the start
+        # but the last request (counted whole; its prompt may have been a prefix-cache hit).
+        last_work = usage["prompt_tokens"] + usage["completion_tokens"] - 1
         return {
             "num_requests": n, "client_timeout_s": client_timeout,
             "client_ends": {e: ends.count(e) for e in sorted(set(ends))},
@@ -79,9 +85,19 @@ async def run(url: str, n: int, client_timeout: float) -> dict:
             "last_request_answered_s": round(last_s, 3),
             "last_request_tokens": r.json()["usage"]["completion_tokens"],
             "scheduler_idle_after_s": round(idle_s, 3),
+            "tokens_computed_for_gone_clients": _computed(s) - _computed(start_stats) - last_work,
+            "steps_in_all": _steps(s) - _steps(start_stats),
             "free_blocks_before": before,
             "free_blocks_after": s["kv_cache"]["num_free_blocks"],
         }
+
+
+def _computed(stats: dict) -> int:
+    return stats["scheduler"]["num_computed_tokens_total"]
+
+
+def _steps(stats: dict) -> int:
+    return stats["scheduler"]["num_steps_total"]
 
 
 def main() -> None:
