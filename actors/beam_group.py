@@ -40,7 +40,7 @@ from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.actors.request import Request, RequestOutput, RequestStatus
-from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue, RunningRequests
 from pagedserve.actors.request_stream import RequestMetrics
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampler import TokenLogprobs
@@ -82,7 +82,7 @@ class BeamScheduler:
     """
 
     def __init__(self, kv: KVCacheManager, waiting: FCFSRequestQueue | PriorityRequestQueue,
-                 running: list[Request], requests: dict[str, Request],
+                 running: RunningRequests, requests: dict[str, Request],
                  finish: Callable[[Request, RequestStatus], None]):
         self.kv = kv
         self.waiting = waiting

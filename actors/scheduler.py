@@ -38,7 +38,7 @@ from pagedserve.actors.messages import (
     ResetPrefixCache,
 )
 from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
-from pagedserve.actors.request_queue import make_request_queue
+from pagedserve.actors.request_queue import RunningRequests, make_request_queue
 from pagedserve.actors.spec_decode import num_accepted
 from pagedserve.actors.stats import (
     KVCacheStats,
@@ -70,7 +70,7 @@ class Scheduler(Actor):
         self.executor = executor
         self.max_model_len = max_model_len
         self.waiting = make_request_queue(config.policy)
-        self.running: list[Request] = []
+        self.running = RunningRequests()
         self.planner = StepPlanner(config, kv_cache_manager, self.waiting, self.running,
                                    self._preempt, max_model_len)
         self.requests: dict[str, Request] = {}

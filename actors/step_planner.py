@@ -28,7 +28,11 @@ from collections.abc import Callable
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.request import Request, RequestStatus
-from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagedserve.actors.request_queue import (
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    RunningRequests,
+)
 from pagedserve.actors.spec_decode import make_proposer
 from pagedserve.gpu.batch import ScheduledRequest
 
@@ -42,7 +46,7 @@ class StepPlanner:
 
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager,
-        waiting: FCFSRequestQueue | PriorityRequestQueue, running: list[Request],
+        waiting: FCFSRequestQueue | PriorityRequestQueue, running: RunningRequests,
         preempt: Callable[[Request], None], max_model_len: int,
     ):
         self.config = config

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -17,7 +17,7 @@ from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.admin import admin_routes
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body
-from pagedserve.server.middleware import RequestGuard, ServerLoad
+from pagedserve.server.middleware import DEFAULT_BODY_READ_TIMEOUT_S, RequestGuard, ServerLoad
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses_api import ResponsesServing
@@ -39,8 +39,10 @@ def _version() -> str:
 
 def build_app(engine: AsyncEngine, config: ServingConfig,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              access_log: bool = True) -> RequestGuard:
-    """The ASGI app: routes behind the guard (``config.api_key``, body limit, access log)."""
+              access_log: bool = True,
+              body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S) -> RequestGuard:
+    """The ASGI app: routes behind the guard (``config.api_key``, body size limit and read
+    timeout, access log)."""
     serving = Serving(engine, config)
     load = ServerLoad(config.enable_server_load_tracking)
 
@@ -69,7 +71,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
     routes += doc_routes(routes, _version())
     app = Starlette(routes=routes, exception_handlers=_exception_handlers())
     return RequestGuard(app, config.api_key, max_request_body_bytes, access_log=access_log,
-                        load=load)
+                        load=load, body_read_timeout_s=body_read_timeout_s)
 
 
 def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
@@ -112,9 +114,7 @@ def _tokenizer_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
     async def detokenize(request: Request) -> JSONResponse:
         body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         serving.check_model(body.model)
-        if any(not 0 <= t < engine.info.vocab_size for t in body.tokens):
-            raise OpenAIError(f"tokens: ids must be in [0, {engine.info.vocab_size})",
-                              param="tokens")
+        serving.check_token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
     return [Route("/tokenize", tokenize, methods=["POST"]),
@@ -132,8 +132,14 @@ def _exception_handlers() -> dict[type[Exception], ExceptionHandler]:
         assert isinstance(exc, HTTPException)
         return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # The client closed mid-body: a normal event, logged as one (nobody reads the reply).
+        log.info("client_disconnected", path=request.url.path, while_reading="body")
+        return Response(status_code=499)
+
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled_error", path=request.url.path)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500)
 
-    return {OpenAIError: on_openai_error, HTTPException: on_http_error, Exception: on_error}
+    return {OpenAIError: on_openai_error, HTTPException: on_http_error,
+            ClientDisconnect: on_client_gone, Exception: on_error}

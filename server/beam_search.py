@@ -26,7 +26,12 @@ from pagedserve.actors.errors import (
 from pagedserve.actors.request_stream import RequestStream
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.errors import OpenAIError
-from pagedserve.server.responses import RequestSummary, ResponseBuilder, until_disconnect
+from pagedserve.server.responses import (
+    DisconnectWatch,
+    RequestSummary,
+    ResponseBuilder,
+    until_disconnect,
+)
 
 # Field → (its value when unused, as the body holds it).
 _UNSUPPORTED = {
@@ -85,7 +90,7 @@ async def start_beam_search(engine: Any, request_id: str, prompt_ids: list[int],
         raise OpenAIError(str(e), status=400, param="X-Request-Id") from e
 
 
-async def beam_search_response(request: Request, stream: BeamSearchStream,
+async def beam_search_response(watch: DisconnectWatch, stream: BeamSearchStream,
                                builder: ResponseBuilder, skip_special_tokens: bool,
                                on_done: Any) -> Any:
     """The whole answer: one choice per hypothesis, best first (or a 499/5xx)."""
@@ -99,7 +104,7 @@ async def beam_search_response(request: Request, stream: BeamSearchStream,
         return _body(builder, out, skip_special_tokens, on_done)
 
     streams: list[RequestStream] = [stream]  # type: ignore[list-item]  # close + request_id
-    answer = await until_disconnect(request, work(), streams)
+    answer = await until_disconnect(watch, work(), builder.request_id, streams)
     if isinstance(answer, dict):
         return JSONResponse(answer, headers={"X-Request-Id": builder.request_id})
     return answer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -11,12 +12,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import h11
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
+from hypercorn.protocol.h11 import H11Protocol
 
 from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.app import build_app
+from pagedserve.server.errors import error_body
 from pagedserve.server.serving import ServingConfig
+
+MAX_HEADER_BYTES = 16 * 1024  # request line and headers together; larger ones get 431
+
+_PROTOCOL_ERRORS = {
+    431: f"request line and headers exceed {MAX_HEADER_BYTES} bytes",
+    400: "malformed HTTP request (request line, a header or Content-Length)",
+}
 
 
 def hypercorn_config(host: str, port: int) -> Config:
@@ -26,7 +37,26 @@ def hypercorn_config(host: str, port: int) -> Config:
     config.accesslog = None  # we log each request ourselves, with its token counts
     config.errorlog = None
     config.graceful_timeout = 5.0
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
+    # Hypercorn's 100 drops connections when many clients connect at once (200 in issue 16's
+    # mass cancellation); uvicorn, which vLLM serves with, takes 2048.
+    config.backlog = 2048
+    H11Protocol._send_error_response = _send_openai_error_response  # type: ignore[method-assign]
     return config
+
+
+async def _send_openai_error_response(self: H11Protocol, status_code: int) -> None:
+    """Hypercorn's answer to a request h11 cannot parse (bad ``Content-Length``, headers past
+    ``MAX_HEADER_BYTES``), with an OpenAI error object instead of its empty body. Hypercorn
+    has no hook for this, so ``hypercorn_config`` puts this method on its HTTP/1 protocol."""
+    message = _PROTOCOL_ERRORS.get(status_code, "malformed HTTP request")
+    body = json.dumps(error_body(message, status_code), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+               *self.config.response_headers("h11")]
+    await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+    await self._send_h11_event(h11.Data(data=body))
+    await self._send_h11_event(h11.EndOfMessage())
 
 
 @asynccontextmanager

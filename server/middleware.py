@@ -1,15 +1,17 @@
-"""ASGI guard in front of the app: access log, API key, request-body size limit, content type,
-and the count of generation requests in flight (``/load``).
+"""ASGI guard in front of the app: access log, API key, request-body size limit and read
+timeout, content type, and the count of generation requests in flight (``/load``).
 
 Pure ASGI (not Starlette middleware) so an oversized body is refused from its
 ``Content-Length`` before a byte of it is read, and a chunked one as soon as it passes the
-limit; and so that every request, the ones the guard itself refuses (401, 413, 415, 503)
-included, gets one ``access`` log line when it ends: method, path, status, duration and the
-request id, never a body (vLLM leaves this to uvicorn's access log).
+limit; a body that stops arriving half-way ends in a 408 instead of holding its connection;
+and every request, the ones the guard itself refuses (401, 408, 413, 415, 503) included, gets
+one ``access`` log line when it ends: method, path, status, duration and the request id, never
+a body (vLLM leaves this to uvicorn's access log).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -28,6 +30,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics",
                         "/ping", "/load", "/openapi.json", "/docs"})
 # The routes that run the model, counted by ``ServerLoad`` (vLLM's ``load_aware_call`` routes).
@@ -49,18 +52,23 @@ class RequestGuard:
     api_key: when set, every path outside ``open_paths`` needs ``Authorization: Bearer <key>``
         (compared in constant time).
     max_body_bytes: larger request bodies get 413.
+    body_read_timeout_s: a body not received in full this many seconds after the handler
+        starts reading it gets 408 (a client stalled mid-body; Hypercorn has no such limit of
+        its own but for the whole connection, which would also cut long streams).
     open_paths: paths this guard lets through without the API key: ``/health``, the pages
         (which hold no data) and the operator routes, which check the admin key themselves.
     """
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
                  open_paths: frozenset[str] = OPEN_PATHS, access_log: bool = True,
-                 load: ServerLoad | None = None):
+                 load: ServerLoad | None = None,
+                 body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S):
         self.app = app
         self.access_log = access_log
         self.load = load or ServerLoad()
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
         self.open_paths = open_paths
         self.draining = False  # set on SIGTERM: new requests get 503
 
@@ -116,16 +124,34 @@ class RequestGuard:
         await self.app(scope, receive, send)
 
     def _limited(self, receive: Receive) -> Receive:
+        """``receive`` under the size limit and, until the body's last chunk, the read
+        deadline; later reads (the wait for a disconnect) have no deadline. Errors are raised
+        inside the handler's body read, so its exception handlers answer them."""
         seen = 0
         limit = self.max_body_bytes
+        timeout = self.body_read_timeout_s
+        deadline: float | None = None
+        body_done = False
 
         async def wrapped() -> MutableMapping[str, Any]:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, deadline, body_done
+            if body_done:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError as e:  # TimeoutError from 3.11 on; 3.10 is supported
+                raise OpenAIError(f"request body not received in full within {timeout:g} s",
+                                  408, headers={"connection": "close"}) from e
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:  # raised inside the handler's body read → its 413 handler
+                body_done = not message.get("more_body", False)
+                if seen > limit:
                     raise OpenAIError(f"request body exceeds the limit of {limit} bytes", 413)
+            else:  # http.disconnect: nothing more will come
+                body_done = True
             return message
 
         return wrapped

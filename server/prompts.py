@@ -33,7 +33,10 @@ class PromptInput:
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
-    """The batch of a completion's ``prompt`` field (one entry when it is a single prompt)."""
+    """The batch of a completion's ``prompt`` field (one entry when it is a single prompt).
+    Raises ``OpenAIError`` (400) for a missing or empty one."""
+    if not prompt:
+        raise OpenAIError("prompt: a prompt must be given and non-empty", param="prompt")
     if isinstance(prompt, str):
         return [prompt]
     if prompt and all(isinstance(p, int) for p in prompt):
@@ -48,12 +51,14 @@ def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase, vocab_
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise OpenAIError(f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+        for t in prompt:
+            if not 0 <= t < vocab_size:
+                raise OpenAIError(f"prompt: token id {t} is out of vocabulary (the vocabulary "
+                                  f"has {vocab_size} tokens, ids 0 to {vocab_size - 1})",
+                                  param="prompt")
         ids = list(prompt)
     if not ids:
-        raise OpenAIError("Either prompt or prompt_embeds must be provided and non-empty.",
-                          param="prompt")
+        raise OpenAIError("prompt: a prompt must be given and non-empty", param="prompt")
     cut = truncate_ids(ids, truncate, side, max_model_len)
     if isinstance(prompt, str) and len(cut) == len(ids):
         return PromptInput(cut, prompt)

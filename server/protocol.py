@@ -4,20 +4,27 @@ vLLM's ``vllm/entrypoints/openai/protocol.py`` is the reference for names, defau
 where it and OpenAI differ we follow vLLM (extra sampling fields such as ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ``max_tokens`` absent means "up to the
 context limit"). Unknown fields are ignored, as vLLM does.
+
+Types are strict, as OpenAI's are: ``"stream": "true"`` or ``"max_tokens": "12"`` is a 400, not
+silently coerced (an integer is still a valid float).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.server.structured_output_fields import StructuredOutputFields
 from pagedserve.server.tool_protocol import ToolCallInHistory, ToolFields
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # ASCII digits only: int() also takes "٣", not "²"
 
 
 class TextPart(_Body):
@@ -31,6 +38,18 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCallInHistory] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Before the union's own errors ("Input should be a valid string"), which mislead.
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"this server takes text content parts only, not "
+                                     f"{ascii(kind)} parts")
+        return content
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -94,7 +113,7 @@ class _SamplingBody(StructuredOutputFields, _Body):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.logit_bias:
             for key, bias in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
+                if not _TOKEN_ID_KEY.fullmatch(key):
                     raise ValueError(f"logit_bias: key {key!r} is not a token id")
                 if not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias: bias {bias} not in [-100, 100]")
@@ -132,10 +151,17 @@ class ChatCompletionRequest(ToolFields, _SamplingBody):
 
 
 class CompletionRequest(_SamplingBody):
-    # One prompt (text or token ids) or a batch of them: one choice per prompt and n.
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    # One prompt (text or token ids) or a batch of them: one choice per prompt and n. Missing
+    # or empty: a 400 in words (server/prompts.py), not pydantic's.
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> Any:
+        if not self.prompt:
+            raise ValueError("prompt: a prompt must be given and non-empty")
+        return self
 
 
 class TokenizeRequest(_Body):

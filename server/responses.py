@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,34 +256,39 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
                 if builder.chat_echo:
                     yield chunk([builder.choice(i, builder.chat_echo, None, [], None, True)])
                     shown[i] = len(builder.chat_echo)
-        async for i, d in merge(streams):
-            pending[i].extend(d.token_ids)
-            if d.logprobs:
-                pending_lp[i].extend(d.logprobs)
-            tally.add(i, d)
-            prefix, echo_lps = "", None
-            if not builder.chat and not started[i]:
-                prefix, echo_lps = builder.echo_text(i), builder.echo_logprobs(tally.prompt_lps[i])
-            text, finish, calls = prefix + d.text, d.finish_reason, None
-            if tools:  # content and call pieces the tool parser can tell apart by now
-                step = tools[i].feed(d.text, final=finish is not None)
-                text, calls = step.content, step.tool_calls
-                finish = finish_reason(finish, tools[i].num_calls > 0)
-            if not text and not calls and finish is None:
-                continue  # nothing to show yet (held back for a stop string or a UTF-8 char)
-            c = builder.choice(i, text, finish, pending[i], pending_lp[i] or None, chunk=True,
-                               offset=shown[i] + len(prefix), echo_lps=echo_lps,
-                               first=not started[i])
-            if calls:
-                c["delta"]["tool_calls"] = calls
-            yield chunk([c])
-            started[i] = True
-            shown[i] += len(text)
-            pending[i], pending_lp[i] = [], []
+        async with aclosing(merge(streams)) as deltas:  # closed here, never by the GC
+            async for i, d in deltas:
+                pending[i].extend(d.token_ids)
+                if d.logprobs:
+                    pending_lp[i].extend(d.logprobs)
+                tally.add(i, d)
+                prefix, echo_lps = "", None
+                if not builder.chat and not started[i]:
+                    prefix = builder.echo_text(i)
+                    echo_lps = builder.echo_logprobs(tally.prompt_lps[i])
+                text, finish, calls = prefix + d.text, d.finish_reason, None
+                if tools:  # content and call pieces the tool parser can tell apart by now
+                    step = tools[i].feed(d.text, final=finish is not None)
+                    text, calls = step.content, step.tool_calls
+                    finish = finish_reason(finish, tools[i].num_calls > 0)
+                if not text and not calls and finish is None:
+                    continue  # nothing to show yet (held back for a stop string or a char)
+                c = builder.choice(i, text, finish, pending[i], pending_lp[i] or None,
+                                   chunk=True, offset=shown[i] + len(prefix), echo_lps=echo_lps,
+                                   first=not started[i])
+                if calls:
+                    c["delta"]["tool_calls"] = calls
+                yield chunk([c])
+                started[i] = True
+                shown[i] += len(text)
+                pending[i], pending_lp[i] = [], []
         if include_usage:
             body = builder.envelope([], chunk=True)
             body["usage"] = usage()
             yield json.dumps(body)
+    except (asyncio.CancelledError, GeneratorExit):  # sse-starlette: the client went away
+        log.info("client_disconnected", request_id=builder.request_id)
+        raise
     except Exception as e:  # the stream already started: report in-band, then end it
         status = 503 if isinstance(e, EngineShuttingDown) else 500
         if status == 503:
@@ -305,10 +311,11 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
     token_ids: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     try:
-        async for i, d in merge(streams):
-            tally.add(i, d)
-            token_ids[i].extend(d.token_ids)
-            lps[i].extend(d.logprobs or [])
+        async with aclosing(merge(streams)) as deltas:
+            async for i, d in deltas:
+                tally.add(i, d)
+                token_ids[i].extend(d.token_ids)
+                lps[i].extend(d.logprobs or [])
     except EngineError as e:
         status = 503 if isinstance(e, EngineShuttingDown) else 500
         raise OpenAIError(str(e), status=status) from e
@@ -330,25 +337,42 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
     return body
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any],
-                           streams: list[RequestStream]) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it and abort the requests."""
-    task = asyncio.ensure_future(work)
+class DisconnectWatch:
+    """Watches one request's ASGI ``receive`` for ``http.disconnect`` from the moment the body
+    has been read, so that a client that leaves while its request still waits for the
+    scheduler (busy with a step) is noticed then, and its request aborted in the very mailbox
+    drain that would have admitted it: no step ever computes for it (issue 16's mass
+    cancellation). ``stop`` it before another reader (sse-starlette) takes ``receive`` over."""
 
-    async def disconnected() -> None:
+    def __init__(self, request: Request):
+        self.gone = asyncio.Event()
+        self._task = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        self.gone.set()
 
-    watcher = asyncio.ensure_future(disconnected())
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def until_disconnect(watch: DisconnectWatch, work: Awaitable[Any], request_id: str,
+                           streams: list[RequestStream] | None = None) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts the requests it
+    started or was starting: ``AsyncEngine.add_request`` aborts when cancelled), close
+    ``streams``, and answer 499 (nobody reads it)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(watch.gone.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        gone.cancel()
         if not task.done():
             task.cancel()  # its own cleanup closes the streams, which aborts the requests
             await asyncio.gather(task, return_exceptions=True)
-            close_all(streams)
-            log.info("client_disconnected", request_id=streams[0].request_id)
+            close_all(streams or [])
+            log.info("client_disconnected", request_id=request_id)
     if task.cancelled():
         return JSONResponse(error_body("client disconnected", 499), status_code=499)
     return task.result()

@@ -26,7 +26,12 @@ from starlette.routing import Route
 from pagedserve.actors.request_stream import RequestStream
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.request_body import parse_body
-from pagedserve.server.responses import OnDone, RequestSummary, until_disconnect
+from pagedserve.server.responses import (
+    DisconnectWatch,
+    OnDone,
+    RequestSummary,
+    until_disconnect,
+)
 from pagedserve.server.responses_events import Progress, ResponseShape, collect, events
 from pagedserve.server.responses_protocol import FunctionTool, ResponsesRequest, chat_tools
 from pagedserve.server.responses_store import ResponseStore, StoredResponse
@@ -77,7 +82,12 @@ class ResponsesServing:
         if body.stream:
             return EventSourceResponse(events(turn.shape, turn.stream, self._on_done(turn)),
                                        sep="\n", headers=headers)
-        progress = await until_disconnect(request, collect(turn.stream), [turn.stream])
+        watch = DisconnectWatch(request)
+        try:
+            progress = await until_disconnect(watch, collect(turn.stream), turn.engine_id,
+                                              [turn.stream])
+        finally:
+            watch.stop()
         if not isinstance(progress, Progress):
             return progress  # the client went away: the 499 that until_disconnect made
         final = turn.shape.final(progress)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +30,7 @@ from pagedserve.server.beam_search import (
     start_beam_search,
 )
 from pagedserve.server.config import ServingConfig
-from pagedserve.server.errors import OpenAIError
+from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import LogprobsFormatter
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.prompts import (
@@ -41,6 +42,7 @@ from pagedserve.server.prompts import (
 )
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import (
+    DisconnectWatch,
     OnDone,
     RequestSummary,
     ResponseBuilder,
@@ -107,11 +109,11 @@ class Serving:
             raise OpenAIError("min_tokens: must not exceed max_tokens", param="min_tokens")
         check_logprob_fields(body, self.vocab_size, logprobs)
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-        if any(not 0 <= t < self.vocab_size for t in bias):
-            raise OpenAIError(f"logit_bias: token ids must be in [0, {self.vocab_size})",
-                              param="logit_bias")
-        return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        self.check_token_ids(bias, "logit_bias")
+        self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        return SamplingParams(  # top_k past the vocabulary means all of it (no int64 overflow)
+            temperature=body.temperature, top_p=body.top_p,
+            top_k=min(body.top_k, self.vocab_size), min_p=body.min_p,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias, seed=body.seed,
             max_tokens=max_tokens if max_tokens is not None else room,
@@ -186,6 +188,14 @@ class Serving:
             raise
         return streams
 
+    def check_token_ids(self, ids: Iterable[int], param: str) -> None:
+        """A 400 naming the first id outside the vocabulary, and the vocabulary's size."""
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise OpenAIError(f"{param}: token id {t} is out of vocabulary (the "
+                                  f"vocabulary has {self.vocab_size} tokens, ids 0 to "
+                                  f"{self.vocab_size - 1})", param=param)
+
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
                     kwargs: dict[str, Any] | None = None,
@@ -241,47 +251,74 @@ class Serving:
                        params: list[SamplingParams], chat: bool, echo: str | None = None,
                        tools: ToolPlan | None = None):
         """``prompts`` and their ``params``: one each (chat), or a completion's batch.
-        ``echo``: chat's echoed assistant message; ``tools``: chat's tool plan."""
+        ``echo``: chat's echoed assistant message; ``tools``: chat's tool plan. A client that
+        leaves before its requests are accepted never gets them scheduled (``DisconnectWatch``)."""
         if body.use_beam_search:
             check_beam_search(body, len(prompts))
             if tools is not None:
                 raise OpenAIError("tools are not supported with use_beam_search", param="tools")
-        grammar = await self._structured_outputs(body, params[0], tools)
-        for p in params[1:]:  # a batch's prompts share the one compiled constraint
-            p.structured_outputs = params[0].structured_outputs
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
-        if body.use_beam_search:
-            beams = await start_beam_search(self.engine, request_id, prompts[0].token_ids, body,
-                                            params[0])
-        else:
-            streams = await self._start(request_id, [(p.token_ids, sp) for p, sp in
-                                                     zip(prompts, params)], body, grammar)
-        builder = ResponseBuilder(
-            request_id=request_id, created=int(time.time()),
-            model=self.config.served_model_name, chat=chat,
-            fmt=LogprobsFormatter(self.tokenizer, body.return_tokens_as_token_ids),
-            prompts=prompts, n=body.n, return_token_ids=body.return_token_ids,
-            echo=not chat and body.echo, chat_echo=echo,
-            prompt_logprobs=body.prompt_logprobs is not None,
-            want_logprobs=params[0].logprobs is not None,
-            tool_parser=tools.parser if tools else None,
-        )
-        on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
-                               sum(len(p.token_ids) for p in prompts))
-        if body.use_beam_search:  # never streamed, as vLLM
-            return await beam_search_response(request, beams, builder,
-                                              params[0].skip_special_tokens, on_done)
-        headers = {"X-Request-Id": request_id}
+        watch = DisconnectWatch(request)
+        try:
+            started = await until_disconnect(
+                watch, self._compile_and_start(request_id, prompts, params, body, tools),
+                request_id)
+            if not isinstance(started, list):
+                return started  # the client left before its requests were accepted
+            if body.stream and not body.use_beam_search:
+                watch.stop()  # sse-starlette watches from here on
+            if watch.gone.is_set():  # left just as they were accepted
+                close_all(started)
+                log.info("client_disconnected", request_id=request_id)
+                return JSONResponse(error_body("client disconnected", 499), status_code=499)
+            builder = ResponseBuilder(
+                request_id=request_id, created=int(time.time()),
+                model=self.config.served_model_name, chat=chat,
+                fmt=LogprobsFormatter(self.tokenizer, body.return_tokens_as_token_ids),
+                prompts=prompts, n=body.n, return_token_ids=body.return_token_ids,
+                echo=not chat and body.echo, chat_echo=echo,
+                prompt_logprobs=body.prompt_logprobs is not None,
+                want_logprobs=params[0].logprobs is not None,
+                tool_parser=tools.parser if tools else None,
+            )
+            on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
+                                   sum(len(p.token_ids) for p in prompts))
+            if body.use_beam_search:  # never streamed, as vLLM
+                return await beam_search_response(watch, started[0], builder,
+                                                  params[0].skip_special_tokens, on_done)
+            return await self._answer(watch, builder, body, started, on_done)
+        finally:
+            watch.stop()
+
+    async def _answer(self, watch: DisconnectWatch, builder: ResponseBuilder, body: Any,
+                      streams: list[RequestStream], on_done: OnDone):
+        """The SSE response, or the whole answer once every choice has finished."""
+        headers = {"X-Request-Id": builder.request_id}
         if body.stream:
             opts = body.stream_options
             events = sse_events(builder, streams, on_done,
                                 include_usage=bool(opts and opts.include_usage),
                                 continuous_usage=bool(opts and opts.continuous_usage_stats))
             return EventSourceResponse(events, sep="\n", headers=headers)
-        answer = await until_disconnect(request, collect(builder, streams, on_done), streams)
+        answer = await until_disconnect(watch, collect(builder, streams, on_done),
+                                        builder.request_id, streams)
         if isinstance(answer, dict):
             return JSONResponse(answer, headers=headers)
         return answer
+
+    async def _compile_and_start(
+        self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams],
+        body: Any, tools: ToolPlan | None,
+    ) -> list:
+        """The constraint compiled, then the engine requests (a beam search: its one stream)."""
+        grammar = await self._structured_outputs(body, params[0], tools)
+        for p in params[1:]:  # a batch's prompts share the one compiled constraint
+            p.structured_outputs = params[0].structured_outputs
+        if body.use_beam_search:
+            return [await start_beam_search(self.engine, request_id, prompts[0].token_ids, body,
+                                            params[0])]
+        return await self._start(request_id, [(p.token_ids, sp) for p, sp in
+                                              zip(prompts, params)], body, grammar)
 
     def _logger(self, request_id: str, prompt: str, num_prompt: int) -> OnDone:
         start = time.monotonic()
