@@ -123,7 +123,7 @@ class ResponsesServing:
         grammar = await self.serving._structured_outputs(body, params)
         response_id = f"resp_{uuid.uuid4().hex}"
         engine_id = request.headers.get("x-request-id") or response_id
-        streams = await self.serving._start(engine_id, ids, params, sampling, grammar)
+        streams = await self.serving._start(engine_id, [(ids, params)], sampling, grammar)
         shape = ResponseShape(
             response_id=response_id, message_id=f"msg_{uuid.uuid4().hex}",
             created_at=int(time.time()), model=self.serving.config.served_model_name,
