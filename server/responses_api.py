@@ -5,8 +5,11 @@ A response is a chat completion underneath: ``instructions`` become a system mes
 conversation of ``previous_response_id`` (from the in-memory ``ResponseStore``) comes before
 this turn's ``input``, the chat template renders them, and ``Serving`` validates the sampling
 fields, compiles ``text.format`` into a guided-decoding grammar and starts the one engine
-request, so greedy output equals ``/v1/chat/completions`` for the same messages. As on the chat
-path, everything that can be wrong is found before a stream starts. (vLLM's
+request, so greedy output equals ``/v1/chat/completions`` for the same messages. Function
+``tools`` and ``tool_choice`` are planned as on the chat path (``responses_tools``); calls come
+back as ``function_call`` items, and ``function_call``/``function_call_output`` input items
+are the conversation's assistant tool calls and ``tool`` turns. As on the chat path,
+everything that can be wrong is found before a stream starts. (vLLM's
 ``vllm/entrypoints/openai/serving_responses.py`` is the reference for the flow.)
 """
 
@@ -33,9 +36,11 @@ from pagedserve.server.responses import (
     until_disconnect,
 )
 from pagedserve.server.responses_events import Progress, ResponseShape, collect, events
-from pagedserve.server.responses_protocol import FunctionTool, ResponsesRequest, chat_tools
+from pagedserve.server.responses_protocol import ResponsesRequest
 from pagedserve.server.responses_store import ResponseStore, StoredResponse
+from pagedserve.server.responses_tools import assistant_turn, plan_response_tools, uses_tool_turns
 from pagedserve.server.serving import Serving
+from pagedserve.server.tool_calling import ToolPlan, keeps_special_tokens
 
 
 @dataclass(slots=True)
@@ -49,7 +54,7 @@ class _Turn:
 
     shape: ResponseShape
     engine_id: str
-    conversation: list[dict[str, str]]
+    conversation: list[dict[str, Any]]
     stream: RequestStream
     log_done: OnDone
 
@@ -76,7 +81,6 @@ class ResponsesServing:
     async def create(self, request: Request) -> Response:
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         self.serving.check_model(body.model)
-        check_tools(body)
         turn = await self._start(request, body)
         headers = {"X-Request-Id": turn.engine_id}
         if body.stream:
@@ -94,9 +98,9 @@ class ResponsesServing:
         self._on_done(turn)(final, progress)
         return JSONResponse(final, headers=headers)
 
-    def _conversation(self, body: ResponsesRequest) -> list[dict[str, str]]:
+    def _conversation(self, body: ResponsesRequest) -> list[dict[str, Any]]:
         """The previous response's conversation, then this input."""
-        previous: list[dict[str, str]] = []
+        previous: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             entry = self.store.get(body.previous_response_id)
             if entry is None:
@@ -106,11 +110,13 @@ class ResponsesServing:
             previous = entry.conversation
         return [*previous, *body.messages()]
 
-    def _prompt_ids(self, body: ResponsesRequest,
-                    conversation: list[dict[str, str]]) -> tuple[str, list[int]]:
+    def _prompt_ids(self, body: ResponsesRequest, conversation: list[dict[str, Any]],
+                    tools: ToolPlan | None) -> tuple[str, list[int]]:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
-            prompt = self.serving.chat_prompt([*system, *conversation])
+            prompt = self.serving.chat_prompt(
+                [*system, *conversation], tools=tools.tools if tools else None,
+                with_tools=tools is not None or uses_tool_turns(conversation))
         except OpenAIError as e:
             raise OpenAIError(e.message, param="input") from e
         ids = self.serving.tokenizer.encode(prompt, add_special_tokens=False)
@@ -124,20 +130,23 @@ class ResponsesServing:
 
     async def _start(self, request: Request, body: ResponsesRequest) -> _Turn:
         """Everything that can fail before a stream starts: the conversation, the prompt's
-        length, sampling fields, the grammar, the scheduler's admission."""
+        length, the tools, sampling fields, the grammar, the scheduler's admission."""
         conversation = self._conversation(body)
-        prompt, ids = self._prompt_ids(body, conversation)
+        tools = await plan_response_tools(body, self.serving)
+        prompt, ids = self._prompt_ids(body, conversation, tools)
         sampling = body.sampling_body()
         params = self.serving._sampling_params(sampling, len(ids), body.max_output_tokens,
                                                "input", None)
-        grammar = await self.serving._structured_outputs(body, params)
+        if tools is not None and keeps_special_tokens(tools.parser, self.serving.tokenizer):
+            params.skip_special_tokens = False
+        grammar = await self.serving._structured_outputs(body, params, tools)
         response_id = f"resp_{uuid.uuid4().hex}"
         engine_id = request.headers.get("x-request-id") or response_id
         streams = await self.serving._start(engine_id, [(ids, params)], sampling, grammar)
         shape = ResponseShape(
             response_id=response_id, message_id=f"msg_{uuid.uuid4().hex}",
             created_at=int(time.time()), model=self.serving.config.served_model_name,
-            body=body, num_input_tokens=len(ids))
+            body=body, num_input_tokens=len(ids), parser=tools.parser if tools else None)
         log_done = self.serving._logger(engine_id, prompt, len(ids))
         return _Turn(shape, engine_id, conversation, streams[0], log_done)
 
@@ -146,7 +155,7 @@ class ResponsesServing:
 
         def done(final: dict[str, Any], progress: Progress) -> None:
             if turn.shape.body.store:
-                answer = {"role": "assistant", "content": progress.text}
+                answer = assistant_turn(final["output"])
                 self.store.put(turn.shape.response_id,
                                StoredResponse([*turn.conversation, answer], final))
             turn.log_done(RequestSummary(progress.num_output_tokens,
@@ -154,14 +163,3 @@ class ResponsesServing:
                                          [progress.text]))
 
         return done
-
-
-def check_tools(body: ResponsesRequest) -> None:
-    """``tools``/``tool_choice`` are validated and converted (``chat_tools``); a request that
-    lets the model call a tool is a 400 until tool-call generation reaches this endpoint."""
-    tools = [t for t in body.tools if isinstance(t, FunctionTool)]
-    _, choice = chat_tools(tools, body.tool_choice)
-    if tools and choice != "none":
-        raise OpenAIError(
-            "tools: tool calls on /v1/responses need the tool-calling feature, which this "
-            "server does not have yet; send tool_choice 'none' or no tools", param="tools")

@@ -12,6 +12,7 @@ hosted tools) are a 400 naming them, never silently dropped.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -45,23 +46,54 @@ class InputMessage(_Body):
 
     def text(self, index: int) -> str:
         """The content's text parts, in order; ``index`` names the item in errors."""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for j, part in enumerate(self.content):
-            if part.type == "refusal":
-                texts.append(part.refusal or "")
-            elif part.text is None:
-                raise OpenAIError(f"input[{index}].content[{j}]: {part.type} is not supported "
-                                  "by this server; send text", param="input")
-            else:
-                texts.append(part.text)
-        return "".join(texts)
+        return parts_text(self.content, f"input[{index}].content")
+
+
+def parts_text(content: str | list[ContentPart], where: str) -> str:
+    """Text content, or its text parts joined; ``where`` names it in errors."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type == "refusal":
+            texts.append(part.refusal or "")
+        elif part.text is None:
+            raise OpenAIError(f"{where}[{j}]: {part.type} is not supported by this server; "
+                              "send text", param="input")
+        else:
+            texts.append(part.text)
+    return "".join(texts)
+
+
+class FunctionCallInput(_Body):
+    """A ``function_call`` output item sent back as history (its ``id`` and ``status`` are
+    accepted and ignored); ``arguments`` is JSON text."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputInput(_Body):
+    """A ``function_call_output`` item: the result of the call ``call_id``, for the model."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
+
+
+def history_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """One call of an assistant turn as chat templates take it (``arguments`` an object, which
+    they render with ``tojson``). Raises ``ValueError`` when ``arguments`` is not JSON."""
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json.loads(arguments)}}
 
 
 class OtherInputItem(_Body):
-    """Any other input item (``function_call``, ``function_call_output``, ``reasoning``, ...):
-    parsed so that the error can name its type."""
+    """Any other input item (``reasoning``, ``file_search_call``, ...), or a malformed
+    ``message``/``function_call``/``function_call_output``: parsed so that the error can name
+    its type."""
 
     type: str
 
@@ -70,7 +102,7 @@ class FunctionTool(_Body):
     """OpenAI's ``FunctionToolParam``: the Responses API's flat spelling of a function."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -105,11 +137,19 @@ class TextConfig(_Body):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+_ITEM_NEEDS = {
+    "message": "role user, assistant, system or developer; text content",
+    "function_call": "'call_id', 'name' and 'arguments', a JSON string",
+    "function_call_output": "'call_id' and 'output', text",
+}
+
+
 class ResponsesRequest(_Body):
     """``POST /v1/responses``; ``input`` is a string (one user message) or a list of items."""
 
     model: str | None = None
-    input: str | list[InputMessage | OtherInputItem] = Field(min_length=1)
+    input: str | list[InputMessage | FunctionCallInput | FunctionCallOutputInput
+                      | OtherInputItem] = Field(min_length=1)
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, min_length=1)
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -148,13 +188,13 @@ class ResponsesRequest(_Body):
             raise ValueError("background: background responses are not supported")
         if isinstance(self.input, list):
             for i, item in enumerate(self.input):
-                if isinstance(item, OtherInputItem) and item.type == "message":
-                    raise ValueError(f"input: item {i} is not a valid message (role user, "
-                                     "assistant, system or developer; text content)")
+                if isinstance(item, OtherInputItem) and item.type in _ITEM_NEEDS:
+                    raise ValueError(f"input: item {i} is not a valid {item.type} "
+                                     f"({_ITEM_NEEDS[item.type]})")
                 if isinstance(item, OtherInputItem):
                     raise ValueError(
-                        f"input: item {i} has type {item.type!r}; this server takes message "
-                        "items (function_call items need the tool-calling feature)")
+                        f"input: item {i} has type {item.type!r}; this server takes message, "
+                        "function_call and function_call_output items")
         for i, tool in enumerate(self.tools):
             if isinstance(tool, HostedTool) and tool.type == "function":
                 raise ValueError(f"tools: tool {i} is not a valid function tool (a non-empty "
@@ -167,13 +207,30 @@ class ResponsesRequest(_Body):
             raise ValueError("text.format: type json_schema needs 'name' and 'schema'")
         return self
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """``input`` as chat messages (``{"role", "content"}``), ``instructions`` not included:
-        a follow-up turn does not inherit them (as OpenAI documents)."""
+        a follow-up turn does not inherit them (as OpenAI documents). ``function_call`` items
+        join the assistant turn before them (or start one) as its ``tool_calls``; a
+        ``function_call_output`` is a ``tool`` turn with its ``tool_call_id``."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.input)
-                if isinstance(m, InputMessage)]
+        out: list[dict[str, Any]] = []
+        for i, item in enumerate(self.input):
+            if isinstance(item, InputMessage):
+                out.append({"role": item.role, "content": item.text(i)})
+            elif isinstance(item, FunctionCallOutputInput):
+                out.append({"role": "tool", "tool_call_id": item.call_id,
+                            "content": parts_text(item.output, f"input[{i}].output")})
+            elif isinstance(item, FunctionCallInput):
+                try:
+                    call = history_call(item.call_id, item.name, item.arguments)
+                except ValueError as e:
+                    raise OpenAIError(f"input[{i}].arguments: not JSON: {e}",
+                                      param="input") from e
+                if not out or out[-1]["role"] != "assistant":
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append(call)
+        return out
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """``text.format`` as the guided-decoding constraint, and ``text.format`` as the
@@ -202,10 +259,9 @@ def chat_tools(tools: list[FunctionTool], tool_choice: ToolChoice
     (``{"type": "function", "function": {"name", "description", "parameters"}}`` and
     ``"auto"``/``"none"``/``"required"``/``{"type": "function", "function": {"name"}}``).
 
-    This is the one place the two spellings meet: the tool-calling work renders and
-    constrains tool calls from the chat-completions shape, so ``/v1/responses`` gets them by
-    passing this function's result to the chat path. Until that is wired, the handler answers
-    a 400 for any ``tool_choice`` other than ``"none"``.
+    This is the one place the two spellings meet: ``tool_calling.plan_tools`` renders and
+    constrains tool calls from the chat-completions shape, and ``responses_tools`` passes it
+    this function's result.
 
     Raises:
         OpenAIError: a named ``tool_choice`` that is not among ``tools``; ``tool_choice``

@@ -20,13 +20,14 @@ class StoredResponse:
     """One finished response.
 
     Attributes:
-        conversation: chat messages (``{"role", "content"}``) of every turn up to and
+        conversation: chat messages (``{"role", "content"}``; an assistant turn's
+            ``tool_calls``, a ``tool`` turn's ``tool_call_id``) of every turn up to and
             including this response's output, without any turn's ``instructions``; the next
             turn's prompt starts with them.
         body: the Response object as the client received it.
     """
 
-    conversation: list[dict[str, str]]
+    conversation: list[dict[str, Any]]
     body: dict[str, Any]
 
 

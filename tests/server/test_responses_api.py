@@ -29,6 +29,15 @@ TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item
 DONE_EVENTS = ["response.output_text.done", "response.content_part.done",
                "response.output_item.done"]
 STREAM_EVENT: TypeAdapter = TypeAdapter(ResponseStreamEvent)
+FORECAST = {"type": "function", "name": "forecast", "description": "Days of weather",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "required": ["city", "days"], "additionalProperties": False}}
+CLOCK = {"type": "function", "name": "clock", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}
+TOOL_TOKENS = 160  # room for a forced call whose strings are bounded, from random weights
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}
@@ -48,7 +57,8 @@ async def tiny(tiny_model_dir):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def smol(default_model_dir):
-    async with serve(default_model_dir, SMOL, max_model_len=512) as http:
+    serving = ServingConfig(SMOL, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    async with serve(default_model_dir, SMOL, max_model_len=512, serving=serving) as http:
         yield _openai(http)
 
 
@@ -89,6 +99,26 @@ async def test_stream_helper_deltas_make_the_final_text(smol):
     assert events[-4].text == full.output_text
     assert final.usage.output_tokens == full.usage.output_tokens
     assert final.id == events[0].response.id and final.status == "completed"
+
+
+async def test_auto_with_a_parser_answers_as_the_chat_path(smol):
+    # SmolLM2-135M answers this in text: the parser reads no call, streamed or not.
+    kw = {"model": SMOL, "input": "What is the weather in Paris? Use the get_weather tool.",
+          "tools": [WEATHER], "temperature": 0, "max_output_tokens": 60}
+    whole = await smol.responses.create(**kw)
+    chat = await smol.chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": kw["input"]}], temperature=0,
+        tools=[_chat_tool(WEATHER)], max_tokens=60)
+    assert whole.output_text == chat.choices[0].message.content and whole.output_text
+    assert not chat.choices[0].message.tool_calls and whole.tool_choice == "auto"
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens and whole.status == "completed"
+    async with smol.responses.stream(**kw) as stream:
+        events = [e async for e in stream]
+        final = await stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert [e.type for e in events] == TEXT_EVENTS + ["response.output_text.delta"] * len(
+        deltas) + DONE_EVENTS + ["response.completed"]
+    assert "".join(deltas) == final.output_text == whole.output_text
 
 
 async def test_raw_stream_cut_by_max_output_tokens_is_incomplete(tiny):
@@ -185,7 +215,13 @@ async def test_string_input_equals_one_user_message_and_tool_choice_none(tiny):
     b = await client.responses.create(input=[{"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "Hello "}, {"type": "input_text", "text": "there"}]}],
         tools=[WEATHER], tool_choice="none", **kw)
-    assert a.output_text == b.output_text and a.usage.input_tokens == b.usage.input_tokens
+    assert a.output_text and a.usage.input_tokens < b.usage.input_tokens  # tools rendered
+    chat = await client.chat.completions.create(  # as chat renders tools for "none"
+        model=TINY_NAME, messages=[{"role": "user", "content": "Hello there"}],
+        tools=[_chat_tool(WEATHER)], tool_choice="none", temperature=0, max_tokens=8)
+    assert b.output_text == chat.choices[0].message.content
+    assert b.usage.input_tokens == chat.usage.prompt_tokens
+    assert [i.type for i in b.output] == ["message"]
     assert b.tools[0].name == "get_weather" and b.tool_choice == "none"
     http, _ = tiny  # nulls mean "not set", and the raw body is a valid Response
     raw = await http.post("/v1/responses", json={"input": "Hello there", "temperature": 0,
@@ -202,12 +238,19 @@ async def test_string_input_equals_one_user_message_and_tool_choice_none(tiny):
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"max_output_tokens": 100_000}, 400, "max_output_tokens"),
     ({"input": []}, 400, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400, "input"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, 400, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+     400, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "http://x"}]}]}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
-    ({"tools": [WEATHER]}, 400, "tools"),  # tool_choice defaults to auto
-    ({"tools": [WEATHER], "tool_choice": "required"}, 400, "tools"),
+    ({"tools": [WEATHER]}, 400, "tool_choice"),  # auto (the default) needs a parser
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, 400, "tools"),
+    ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(["}}}}], "tool_choice": "none"}, 400, "tools"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools"),
     ({"tools": [{"type": "function", "name": ""}]}, 400, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, 400,
@@ -226,11 +269,98 @@ async def test_bad_requests_get_openai_errors(tiny, body, status, param):
     assert err["param"] == param and err["code"] == status and err["message"]
 
 
-async def test_tool_calls_refusal_names_the_missing_feature(tiny):
+async def test_auto_without_a_parser_names_the_flags(tiny):
     _, client = tiny
     with pytest.raises(openai.BadRequestError) as e:
         await client.responses.create(input="Weather in Paris?", tools=[WEATHER])
-    assert "tool-calling" in e.value.message and e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in e.value.message
+    assert "--tool-call-parser" in e.value.message
+
+
+def _chat_tool(tool: dict) -> dict:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _call(response: Response):
+    [item] = response.output
+    assert item.type == "function_call" and item.status == "completed"
+    assert item.id.startswith("fc_") and item.call_id.startswith("call_")
+    return item
+
+
+async def test_required_gives_a_function_call_that_validates(tiny):
+    _, client = tiny
+    r = await client.responses.create(input="Forecast for Paris", tools=[FORECAST, CLOCK],
+                                      tool_choice="required", parallel_tool_calls=False,
+                                      temperature=1.0, extra_body={"seed": 3},
+                                      max_output_tokens=TOOL_TOKENS)
+    call = _call(r)
+    schema = {t["name"]: t["parameters"] for t in (FORECAST, CLOCK)}[call.name]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert r.status == "completed" and r.output_text == "" and r.tool_choice == "required"
+
+
+async def test_named_choice_streams_the_same_call(tiny):
+    _, client = tiny
+    kw = {"model": TINY_NAME, "input": "Forecast for Paris", "tools": [WEATHER, FORECAST],
+          "temperature": 0,
+          "tool_choice": {"type": "function", "name": "forecast"},
+          "max_output_tokens": TOOL_TOKENS}
+    whole = _call(await client.responses.create(**kw))
+    assert whole.name == "forecast"
+    jsonschema.validate(json.loads(whole.arguments), FORECAST["parameters"])
+    async with client.responses.stream(**kw) as stream:
+        events = [e async for e in stream]
+        final = await stream.get_final_response()
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * len(deltas),
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]
+    assert len(deltas) > 3 and [e.sequence_number for e in events] == list(range(len(events)))
+    added, done = events[2].item, events[-2].item
+    assert (added.type, added.arguments, added.status) == ("function_call", "", "in_progress")
+    assert "".join(deltas) == events[-3].arguments == done.arguments == whole.arguments
+    assert done.id == added.id == events[3].item_id and done.call_id == added.call_id
+    assert _call(final).arguments == whole.arguments and final.output[0].id == done.id
+    assert all(e.output_index == 0 for e in events[2:-1])
+    http, _ = tiny  # every raw event has the shape the openai package declares
+    async with http.stream("POST", "/v1/responses", json={**kw, "stream": True}) as r:
+        data = [json.loads(ln.removeprefix("data: ")) async for ln in r.aiter_lines()
+                if ln.startswith("data: ")]
+    for event in data:
+        STREAM_EVENT.validate_python(event)
+    assert _call(Response.model_validate(data[-1]["response"])).arguments == whole.arguments
+
+
+async def test_a_function_call_output_round_trip(tiny):
+    _, client = tiny
+    kw = {"tools": [FORECAST], "temperature": 0, "max_output_tokens": TOOL_TOKENS}
+    first = await client.responses.create(input="Forecast for Paris", tool_choice="required",
+                                          parallel_tool_calls=False, **kw)
+    call = _call(first)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}
+    kw.update(tool_choice="none", max_output_tokens=8)
+    chained = await client.responses.create(previous_response_id=first.id, input=[result], **kw)
+    replayed = await client.responses.create(input=[  # the same history, sent back whole
+        {"role": "user", "content": "Forecast for Paris"},
+        {"type": "function_call", "id": call.id, "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments, "status": "completed"}, result], **kw)
+    chat = await client.chat.completions.create(
+        model=TINY_NAME, tools=[_chat_tool(FORECAST)], tool_choice="none", temperature=0,
+        max_tokens=8, messages=[
+            {"role": "user", "content": "Forecast for Paris"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21C"}])
+    for r in (chained, replayed):
+        [item] = r.output
+        assert item.type == "message" and r.output_text
+        assert r.output_text == chat.choices[0].message.content
+        assert r.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_chat_tools_converts_to_the_chat_completions_shape():
