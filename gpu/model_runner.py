@@ -19,6 +19,7 @@ from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.draft_model import DraftModel
+from pagedserve.gpu.dtype_choice import pick_dtype, pick_quantization
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
@@ -29,54 +30,8 @@ from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
 from pagedserve.gpu.thread_governor import ThreadGovernor
-from pagedserve.kernels import cpu_isa
 
 log = structlog.get_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16), so bfloat16 beats
-    float32 there; elsewhere torch emulates it and float32 is faster. ``PAGEDSERVE_CPU_ISA``
-    below ``avx512`` answers as a CPU without those units would (the tier being measured)."""
-    try:
-        if cpu_isa.requested_cap() in ("generic", "avx2"):
-            return False
-    except ValueError:
-        pass  # refused with its message when the kernels load
-    return bool(cpu_isa.cpu_flags() & {"amx_bf16", "avx512_bf16"})
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AMX), else float32.
-    Parity with transformers' float32 ``generate`` holds in float32 only; pass it explicitly."""
-    if name == "auto":
-        if device.type == "cuda" or cpu_has_bf16_matmul():
-            return torch.bfloat16
-        return torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def pick_quantization(name: str | None, resolved: loader.ResolvedModel,
-                      device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
-    """``--quantization``: ``gguf`` keeps a GGUF file's quantized blocks (CPU, float32 or
-    bfloat16 activations), ``none`` de-quantizes; unset = ``gguf`` wherever it can run.
-    Raises ``ValueError``."""
-    if name not in (None, "gguf", "none"):
-        raise ValueError(f"unknown quantization {name!r}; choose gguf or none")
-    if name == "none":
-        return None
-    can = (resolved.gguf_file is not None and gguf_linear.supported(device)
-           and dtype in (torch.float32, torch.bfloat16))
-    if name == "gguf" and not can:
-        raise ValueError(
-            "--quantization gguf needs a .gguf model on the CPU with the C++ kernels built, "
-            f"and --dtype float32 or bfloat16 (here: {device.type}, "
-            f"{str(dtype).removeprefix('torch.')})")
-    return "gguf" if can else None
 
 
 @dataclass(slots=True)

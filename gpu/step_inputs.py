@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.gpu.attention import AttentionMetadata
 from pagedserve.gpu import prompt_logprobs
+from pagedserve.gpu.attention import AttentionMetadata
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from pagedserve.actors.beam_group import BeamSearchOutput, BeamSearchStream

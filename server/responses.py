@@ -225,6 +225,47 @@ class _Tally:
         return RequestSummary(sum(self.tokens), self.finish, self.ttft, self.texts)
 
 
+class _ChoiceStreams:
+    """Per streamed choice: the tokens and logprobs whose text is held back, the characters
+    sent, whether its first chunk went out (echo, prompt ids), and its tool-call streamer."""
+
+    def __init__(self, builder: ResponseBuilder, n: int):
+        self.builder = builder
+        self.tools = [builder.tool_parser.streamer() for _ in range(n)] if builder.tool_parser \
+            else []
+        self.pending: list[list[int]] = [[] for _ in range(n)]
+        self.pending_lp: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.shown = [0] * n
+        self.started = [False] * n
+
+    def delta(self, i: int, d: GenerationDelta, tally: _Tally) -> dict | None:
+        """Choice ``i``'s chunk for ``d`` (already added to ``tally``), or ``None`` while
+        nothing can be shown yet (held back for a stop string or a UTF-8 character)."""
+        b = self.builder
+        self.pending[i].extend(d.token_ids)
+        if d.logprobs:
+            self.pending_lp[i].extend(d.logprobs)
+        prefix, echo_lps = "", None
+        if not b.chat and not self.started[i]:
+            prefix, echo_lps = b.echo_text(i), b.echo_logprobs(tally.prompt_lps[i])
+        text, finish, calls = prefix + d.text, d.finish_reason, None
+        if self.tools:  # content and call pieces the tool parser can tell apart by now
+            step = self.tools[i].feed(d.text, final=finish is not None)
+            text, calls = step.content, step.tool_calls
+            finish = finish_reason(finish, self.tools[i].num_calls > 0)
+        if not text and not calls and finish is None:
+            return None
+        c = b.choice(i, text, finish, self.pending[i], self.pending_lp[i] or None, chunk=True,
+                     offset=self.shown[i] + len(prefix), echo_lps=echo_lps,
+                     first=not self.started[i])
+        if calls:
+            c["delta"]["tool_calls"] = calls
+        self.started[i] = True
+        self.shown[i] += len(text)
+        self.pending[i], self.pending_lp[i] = [], []
+        return c
+
+
 async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_done: OnDone,
                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
     """SSE ``data:`` payloads. Cancelled by sse-starlette when the client goes away, which
@@ -232,11 +273,7 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
     takes effect only with ``include_usage``, as in vLLM."""
     n = len(streams)
     tally = _Tally(n)
-    tools = [builder.tool_parser.streamer() for _ in range(n)] if builder.tool_parser else []
-    pending: list[list[int]] = [[] for _ in range(n)]  # tokens whose text is held back
-    pending_lp: list[list[TokenLogprobs]] = [[] for _ in range(n)]
-    shown = [0] * n  # characters of each choice's text sent so far
-    started = [False] * n  # completions: a choice's first chunk (echo, prompt ids) went out
+    choices = _ChoiceStreams(builder, n)
     continuous_usage = continuous_usage and include_usage
 
     def usage() -> dict:
@@ -255,33 +292,13 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
                               "logprobs": None, "finish_reason": None}], first=i == 0)
                 if builder.chat_echo:
                     yield chunk([builder.choice(i, builder.chat_echo, None, [], None, True)])
-                    shown[i] = len(builder.chat_echo)
+                    choices.shown[i] = len(builder.chat_echo)
         async with aclosing(merge(streams)) as deltas:  # closed here, never by the GC
             async for i, d in deltas:
-                pending[i].extend(d.token_ids)
-                if d.logprobs:
-                    pending_lp[i].extend(d.logprobs)
                 tally.add(i, d)
-                prefix, echo_lps = "", None
-                if not builder.chat and not started[i]:
-                    prefix = builder.echo_text(i)
-                    echo_lps = builder.echo_logprobs(tally.prompt_lps[i])
-                text, finish, calls = prefix + d.text, d.finish_reason, None
-                if tools:  # content and call pieces the tool parser can tell apart by now
-                    step = tools[i].feed(d.text, final=finish is not None)
-                    text, calls = step.content, step.tool_calls
-                    finish = finish_reason(finish, tools[i].num_calls > 0)
-                if not text and not calls and finish is None:
-                    continue  # nothing to show yet (held back for a stop string or a char)
-                c = builder.choice(i, text, finish, pending[i], pending_lp[i] or None,
-                                   chunk=True, offset=shown[i] + len(prefix), echo_lps=echo_lps,
-                                   first=not started[i])
-                if calls:
-                    c["delta"]["tool_calls"] = calls
-                yield chunk([c])
-                started[i] = True
-                shown[i] += len(text)
-                pending[i], pending_lp[i] = [], []
+                c = choices.delta(i, d, tally)
+                if c is not None:
+                    yield chunk([c])
         if include_usage:
             body = builder.envelope([], chunk=True)
             body["usage"] = usage()

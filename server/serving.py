@@ -32,7 +32,6 @@ from pagedserve.server.beam_search import (
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import LogprobsFormatter
-from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.prompts import (
     PromptInput,
     check_logprob_fields,
@@ -40,6 +39,7 @@ from pagedserve.server.prompts import (
     tokenize,
     truncate_ids,
 )
+from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import (
     DisconnectWatch,

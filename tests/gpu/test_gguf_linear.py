@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.gpu import gguf_linear, loader
 from pagedserve.gpu.attention import get_attention_backend
-from pagedserve.gpu.model_runner import pick_quantization
+from pagedserve.gpu.dtype_choice import pick_quantization
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.kernels import gguf_ops
 

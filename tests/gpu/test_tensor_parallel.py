@@ -33,7 +33,8 @@ def _steps() -> list[list[ScheduledRequest]]:
 
 def _runner(path: str, parallel: ParallelContext | None = None) -> ModelRunner:
     return ModelRunner(ModelConfig(model=path, dtype="float32", max_model_len=64),
-                       CacheConfig(num_gpu_blocks_override=8, block_size=8), 64, 4, parallel=parallel)
+                       CacheConfig(num_gpu_blocks_override=8, block_size=8), 64, 4,
+                       parallel=parallel)
 
 
 def _logits(runner: ModelRunner) -> list[torch.Tensor | None]:

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from pagedserve.gpu.model_runner import pick_dtype
+from pagedserve.gpu.dtype_choice import pick_dtype
 from pagedserve.kernels import cpu_isa
 
 CPU = torch.device("cpu")
