@@ -13,6 +13,7 @@ from pagedserve.actors.messages import ExecuteModel
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
+from pagedserve.gpu.parallel.gguf_shard import check_gguf_split
 from pagedserve.gpu.parallel.layout import check_layout
 
 
@@ -62,7 +63,8 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
 
     Raises:
         ValueError: the layout cannot split the model (one line: which count, and why), a
-            draft model is asked for with several ranks, or Ray is asked for and not installed.
+            draft model is asked for with several ranks, ``--quantization gguf`` would cut a
+            GGUF block across ranks (``check_gguf_split``), or Ray is asked for and not installed.
     """
     if parallel.world_size == 1:
         return Executor(ModelRunner(model, cache, max_num_batched_tokens, max_num_seqs, draft))
@@ -73,8 +75,7 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
         lambda: loader.load_config(loader.resolve_model(model.model).path))
     check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     if model.quantization == "gguf":  # the workers would refuse it too, one line each
-        raise ValueError("--quantization gguf does not split across ranks: use --quantization "
-                         "none with --tensor-parallel-size/--pipeline-parallel-size")
+        check_gguf_split(config, parallel.tensor_parallel_size)
     if parallel.distributed_executor_backend == "ray":
         from pagedserve.actors.ray_executor import RayExecutor
 

@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.gpu.parallel.gguf_shard import shard_blocks
+from pagedserve.gpu.parallel.layout import RankLayout
 from pagedserve.kernels import cpu_ops, gguf_ops
 
 log = structlog.get_logger(__name__)
@@ -178,10 +180,15 @@ def load_blocks(gguf_file: Path, config: PretrainedConfig,
 
 
 def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig,
-                   cache_dir: Path | None = None) -> int:
+                   cache_dir: Path | None = None, layout: RankLayout | None = None) -> int:
     """Swap ``model``'s linears for ``GGUFLinear``s holding ``gguf_file``'s blocks, in place
-    (``load_blocks``; ``cache_dir`` as there). Returns how many modules were swapped."""
+    (``load_blocks``; ``cache_dir`` as there). ``layout``: a tensor/pipeline-parallel rank's
+    ``RankLayout``, whose share of the blocks it keeps (``parallel/gguf_shard.py``; raises
+    ``ValueError`` where a row-parallel split would cut a block). Returns how many modules
+    were swapped."""
     blocks, kept = load_blocks(gguf_file, config, cache_dir)
+    if layout is not None:
+        blocks = shard_blocks(blocks, config, layout)
     modules = dict(model.named_modules())
     swapped = 0
     for target, (qtype, qweight) in blocks.items():

@@ -140,12 +140,14 @@ class ModelRunner:
         shard = None if self.parallel is None else parallel_weights.read_shard(
             resolved.path, parallel_weights.shard_plan(self.hf_config, self.parallel.layout))
         loader.load_weights(model, resolved.path, shard)
-        self.quantization = (pick_quantization(mc.quantization, resolved, self.device, self.dtype)
-                             if self.parallel is None else parallel_weights.no_quantization(
-                                 mc.quantization, self.parallel.layout))
+        # Across ranks the blocks are kept only when asked for (unset: de-quantized, as before).
+        layout = None if self.parallel is None else self.parallel.layout
+        self.quantization = pick_quantization(
+            mc.quantization if layout is None else mc.quantization or "none", resolved,
+            self.device, self.dtype)
         if self.quantization == "gguf":
             swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
-                                                 cache_dir=resolved.path)
+                                                 cache_dir=resolved.path, layout=layout)
             log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             m.qweight.numel() for m in model.modules() if isinstance(m, gguf_linear.GGUFLinear))

@@ -53,6 +53,16 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny Llama written as a .gguf (Q8_0/Q4_0/Q4_1 blocks; ``tests/gguf_tiny.py``)."""
+    from tests.gguf_tiny import write_tiny_gguf
+
+    out = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf"
+    return write_tiny_gguf(tiny_model_dir, loader.embedded_gguf_path(), out,
+                           loader.load_config(tiny_model_dir))
+
+
 @lru_cache(maxsize=4)
 def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -86,7 +96,8 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
     return EngineConfig(
         # float32: greedy parity with transformers' float32 generate is exact only there.
         model=ModelConfig(model=str(model_dir), max_model_len=kw.pop("max_model_len", 512),
-                          dtype=kw.pop("dtype", "float32")),
+                          dtype=kw.pop("dtype", "float32"),
+                          quantization=kw.pop("quantization", None)),
         cache=CacheConfig(
             num_gpu_blocks_override=kw.pop("num_blocks", 256),
             block_size=kw.pop("block_size", 16),

@@ -105,15 +105,3 @@ def read_shard(path: Path, plan: Callable[[str, tuple], Plan]) -> dict[str, torc
                     state[name] = _take(sl, shape, p)
     return state
 
-
-def no_quantization(name: str | None, layout: RankLayout) -> None:
-    """``--quantization`` under tensor/pipeline parallelism: the weights are de-quantized
-    (a GGUF's blocks are not split across ranks); an explicit ``gguf`` is refused.
-
-    Raises:
-        ValueError: ``--quantization gguf`` was asked for.
-    """
-    if name == "gguf" and layout.world_size > 1:
-        raise ValueError("--quantization gguf does not split across ranks: use --quantization "
-                         "none with --tensor-parallel-size/--pipeline-parallel-size")
-    return None

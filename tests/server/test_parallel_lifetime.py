@@ -104,14 +104,15 @@ def test_killed_worker_fails_the_stream_and_the_server_exits(tiny_model_dir, tmp
 
 
 async def test_refused_layouts_end_the_start_with_one_line(tiny_model_dir):
-    """A tp that does not divide the heads, or GGUF blocks kept quantized (not split across
-    ranks), are refused before any process starts."""
+    """A tp that does not divide the heads, or GGUF blocks that tp would cut (o_proj's 16
+    inputs per rank at tp=4, under the 32-element block), are refused before any process
+    starts."""
     with pytest.raises(ValueError, match=r"^--tensor-parallel-size 3 does not divide the "
                                          r"model's 4 attention heads$"):
         await AsyncEngine.start(engine_config(tiny_model_dir, parallel=ParallelConfig(3)))
-    config = engine_config(tiny_model_dir, parallel=ParallelConfig(2))
-    config.model.quantization = "gguf"
-    with pytest.raises(ValueError, match="^--quantization gguf does not split across ranks"):
+    config = engine_config(tiny_model_dir, parallel=ParallelConfig(4), quantization="gguf")
+    with pytest.raises(ValueError, match=r"^--quantization gguf with --tensor-parallel-size 4: "
+                                         r"o_proj's input per rank is 16 elements"):
         await AsyncEngine.start(config)
     assert not multiprocessing.active_children()
 

@@ -1,6 +1,7 @@
 """A tensor × pipeline parallel engine (tp=2 × pp=2: four spawned gloo workers behind the
 executor actor) through a real server: greedy outputs equal transformers' for batched,
-chunked-prefill, prefix-cached and preempted requests; ``/admin/stats`` shows the layout."""
+chunked-prefill, prefix-cached and preempted requests; ``/admin/stats`` shows the layout;
+with ``--quantization gguf`` each rank keeps its share of the GGUF blocks (tp=2)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ async def test_prefix_cached_request_equals_transformers(client, tiny_model_dir)
         _, tokens, _ = await stream_chat(client, LONG, max_tokens=16, ignore_eos=True)
         assert tokens == want[:16]
     assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
+
+
+async def test_gguf_blocks_over_two_ranks_equal_one_process(tiny_gguf_path):
+    """``-tp 2 --quantization gguf`` on the tiny GGUF: each rank multiplies its half of the
+    blocks, and greedy output equals the one-process GGUF model's."""
+    async def greedy(parallel: ParallelConfig) -> list[int]:
+        async with serve(tiny_gguf_path, parallel=parallel, quantization="gguf",
+                         max_model_len=144) as c:
+            assert (await stats(c))["model"]["quantization"] == "gguf"
+            _, tokens, _ = await stream_chat(c, PROMPTS[0], max_tokens=24, ignore_eos=True)
+            return tokens
+
+    one = await greedy(ParallelConfig())
+    assert len(one) == 24 and await greedy(ParallelConfig(2)) == one
