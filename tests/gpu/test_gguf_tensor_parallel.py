@@ -5,6 +5,7 @@ naming the layer."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 
@@ -90,6 +91,11 @@ def test_rank_blocks_are_the_slices_of_the_files_weights(tiny_gguf_path):
             assert torch.equal(got[p + "mlp.down_proj"], full[p + "mlp.down_proj"][:, a:b])
         v0, v1 = lay.vocab
         assert torch.equal(got["lm_head"], full["lm_head"][v0:v1])
+    # A vocabulary that tp does not divide: the last rank's rows padded with all-zero blocks.
+    padded = dataclasses.replace(lay, vocab_per_rank=lay.vocab_per_rank + 5)
+    head = _values(*shard_blocks(blocks, config, padded)["lm_head"])
+    assert head.shape[0] == padded.vocab_per_rank and not head[-5:].any()
+    assert torch.equal(head[:-5], full["lm_head"][lay.vocab[0]:lay.vocab[1]])
     # A second pipeline stage holds only its layer's blocks and the lm_head.
     assert shard_blocks(blocks, config, rank_layout(config, 1, 2, 1)).keys() == {
         "model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj",
