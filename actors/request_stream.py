@@ -99,7 +99,8 @@ class RequestMetrics:
         """The phases as vLLM splits them: queued → scheduled → first token → last token."""
         cap = request.sampling_params.max_tokens  # None: up to the context, unknown here
         out = FinishedRequest(request.num_prompt_tokens, self.num_tokens,
-                              self.num_tokens if cap is None else cap)
+                              self.num_tokens if cap is None else cap,
+                              n=request.sampling_params.n)
         first, last = self.first_token_time, self.last_token_time
         scheduled = request.scheduled_time
         if first is None or last is None:

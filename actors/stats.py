@@ -97,11 +97,14 @@ class FinishedRequest:
         inference_s: first scheduled → last token; ``None`` if never scheduled or no token.
         time_per_output_token_s: ``decode_s`` over the tokens after the first; ``None`` for
             fewer than two tokens.
+        n: the client request's ``n`` (``SamplingParams.n``): on the first of its engine
+            requests; 0 on the others, which ``request_params_n`` leaves out.
     """
 
     num_prompt_tokens: int
     num_generation_tokens: int
     max_tokens: int
+    n: int = 1
     prefill_s: float | None = None
     decode_s: float | None = None
     inference_s: float | None = None

@@ -73,6 +73,9 @@ class SamplingParams:
         prompt_logprobs: the logprob of every prompt token and this many top alternatives,
             from the model's raw logits (``None`` = none): ``gpu/prompt_logprobs.py``.
         structured_outputs: a guided-decoding constraint, or ``None``.
+        n: the client request's ``n``, for the ``request_params_n`` metric only: a request
+            with ``n > 1`` runs as ``n`` engine requests, the first carries ``n``, the others
+            0 (not counted), so the metric sees each client request once.
     """
 
     temperature: float = 1.0
@@ -95,6 +98,7 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
 
     @property
     def greedy(self) -> bool:

@@ -106,8 +106,9 @@ class PrometheusStatLogger:
         self._per_request(histogram, buckets_1_2_5(max_model_len))
 
     def _per_request(self, histogram, lengths: tuple[int, ...]) -> None:
-        """The histograms observed once per finished engine request (``record_request``).
-        A request with ``n > 1`` runs as ``n`` engine requests: each counts as one, n = 1."""
+        """The histograms observed once per finished engine request (``record_request``),
+        but ``request_params_n``: once per client request (a request with ``n > 1`` runs as
+        ``n`` engine requests; only the first carries its ``n``, see ``SamplingParams.n``)."""
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens of a finished request.", lengths)
         self.request_generation_tokens = histogram(
@@ -115,7 +116,7 @@ class PrometheusStatLogger:
         self.request_max_tokens = histogram(
             "request_max_num_generation_tokens", "Output tokens a finished request could have "
             "had at most (its max_tokens).", lengths)
-        self.request_n = histogram("request_params_n", "The n of a finished engine request.",
+        self.request_n = histogram("request_params_n", "The n of a finished request.",
                                    N_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds",
                                       "First scheduled step to first token.", REQUEST_BUCKETS)
@@ -155,7 +156,8 @@ class PrometheusStatLogger:
         self.request_prompt_tokens.observe(done.num_prompt_tokens)
         self.request_generation_tokens.observe(done.num_generation_tokens)
         self.request_max_tokens.observe(done.max_tokens)
-        self.request_n.observe(1)
+        if done.n > 0:  # 0: another choice of a request with n > 1, counted once already
+            self.request_n.observe(done.n)
         for histogram, value in ((self.prefill_time, done.prefill_s),
                                  (self.decode_time, done.decode_s),
                                  (self.inference_time, done.inference_s),

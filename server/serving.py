@@ -172,8 +172,9 @@ class Serving:
             for p, (prompt_ids, params) in enumerate(jobs):
                 base = request_id if len(jobs) == 1 else f"{request_id}-{p}"
                 for i in range(body.n):
-                    child = params if body.n == 1 else replace(
-                        params, seed=None if params.seed is None else params.seed + i)
+                    child = params if body.n == 1 else replace(  # n counted on choice 0
+                        params, seed=None if params.seed is None else params.seed + i,
+                        n=body.n if i == 0 else 0)
                     streams.append(await self.engine.add_request(
                         f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
                         priority=body.priority, cache_salt=body.cache_salt, grammar=grammar))

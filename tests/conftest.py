@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,9 +24,25 @@ from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.launch import running_server
 from pagedserve.server.serving import ServingConfig
+from tests import process_leaks
 from tests import triton_interpreter  # noqa: F401  (TRITON_INTERPRET before triton loads)
 
 TINY_NAME = "tiny-llama"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphan_processes():
+    """Set up before every other fixture, torn down after them all: the session's servers and
+    workers (``tests/process_leaks.py``) must all be gone at its end, or the session errors."""
+    if not process_leaks.available():
+        yield
+        return
+    session = str(os.getpid())
+    os.environ[process_leaks.SESSION_ENV] = session  # inherited by every process started
+    yield
+    left = process_leaks.wait_none_leaked(os.getpid(), session)
+    assert not left, "processes left after the suite: " + "; ".join(
+        f"{p.pid} (parent {p.ppid}): {p.cmdline[:120]}" for p in left)
 
 
 @pytest.fixture(scope="session")

@@ -172,3 +172,22 @@ async def test_two_servers_keep_their_own_registries(tiny_model_dir):
         ra, rb = (await a.get("/metrics")).text, (await b.get("/metrics")).text
         assert 'pagedserve:generation_tokens_total{model_name="a"} 3.0' in ra
         assert 'pagedserve:generation_tokens_total{model_name="b"} 0.0' in rb
+
+
+async def test_request_params_n_counts_each_client_request_once(tiny_model_dir):
+    """n = 3 is three engine requests, but one ``request_params_n`` observation of 3; the
+    per-request token histograms still count all three."""
+    async with serve(tiny_model_dir) as client:
+        before = await scrape(client)
+        body = await chat(client, "Three of them", n=3, max_tokens=4, ignore_eos=True)
+        assert len(body["choices"]) == 3
+        mid = await scrape(client)
+        await chat(client, "Just one", max_tokens=2)
+        after = await scrape(client)
+    assert delta(mid, before, "pagedserve:request_params_n_count") == 1
+    assert delta(mid, before, "pagedserve:request_params_n_sum") == 3
+    assert delta(mid, before, "pagedserve:request_params_n_bucket{le=2.0}") == 0
+    assert delta(mid, before, "pagedserve:request_params_n_bucket{le=5.0}") == 1
+    assert delta(mid, before, "pagedserve:request_generation_tokens_count") == 3
+    assert delta(after, mid, "pagedserve:request_params_n_count") == 1
+    assert delta(after, mid, "pagedserve:request_params_n_sum") == 1

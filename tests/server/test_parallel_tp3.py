@@ -1,0 +1,82 @@
+"""Tensor parallel across three ranks on the real SmolLM2-135M (9 heads, 3 KV heads: three
+heads and one KV head a rank; its 576-wide MLP and 49,152-token vocabulary split in three),
+through the real ``pagedserve serve -tp 3`` process (issue 13): batched greedy float32 outputs
+equal a tp=1 server's token for token (and tp=1 equals transformers' ``generate``:
+``tests/test_e2e.py``; transformers itself is the slow part on a shared 2-core machine, ~5 s a
+prompt, so the tp=1 engine is the oracle here)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pagedserve.server.launch import start_server_process
+from tests.conftest import serve
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Name three colours.", "Why is the sky blue?"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tp3_server(default_model_dir, tmp_path_factory):
+    """``-tp 3`` in float32, unquantized; three CPU threads shared out, one per rank (the
+    executor gives each rank ``PAGEDSERVE_CPU_THREADS // world``)."""
+    log = tmp_path_factory.mktemp("tp3") / "server.log"
+    env = {**os.environ, "PAGEDSERVE_CPU_THREADS": "3"}
+    with log.open("w") as out:
+        try:
+            proc, url = start_server_process(
+                [str(default_model_dir), "-tp", "3", "--dtype", "float32",
+                 "--quantization", "none", "--max-model-len", "512"],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{log.read_text()}")
+        try:
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+def _chat(url: str, prompt: str) -> list[int]:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+        "max_tokens": NEW_TOKENS, "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_layout_is_three_ranks_one_kv_head_each(tp3_server):
+    layout = httpx.get(f"{tp3_server}/admin/stats", timeout=30).json()["model"]["parallel"]
+    assert [r["tp_rank"] for r in layout] == [0, 1, 2]
+    assert [r["q_heads"] for r in layout] == [[0, 3], [3, 6], [6, 9]]
+    assert [r["kv_heads"] for r in layout] == [[0, 1], [1, 2], [2, 3]]
+
+
+async def _tp1_tokens(model_dir) -> list[list[int]]:
+    """The same prompts, batched, through an in-process tp=1 server (float32)."""
+    async with serve(model_dir, name="tp1") as client:
+        async def one(prompt: str) -> list[int]:
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                "max_tokens": NEW_TOKENS, "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+
+async def test_tp3_batched_greedy_equals_tp1(tp3_server, default_model_dir):
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: one batch on the ranks
+        got = await asyncio.gather(
+            *(loop.run_in_executor(pool, _chat, tp3_server, p) for p in PROMPTS))
+    wants = await _tp1_tokens(default_model_dir)
+    for tokens, want, p in zip(got, wants, PROMPTS):
+        assert len(tokens) == NEW_TOKENS and tokens == want, p
