@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from pagedserve.server.launch import start_server_process
-from tests.conftest import chat_prompt_ids, hf_greedy
+from tests.conftest import chat_prompt_ids, hf_greedy, hf_tokenizer
+from tests.server.test_beam_search import hf_beams
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
@@ -187,3 +188,14 @@ def test_openai_echo_prompt_logprobs_and_batch_equal_transformers(client, defaul
             (best,) = [k for k, v in entry.items() if v["rank"] == 1]
             assert int(best) == int(want[j].argmax())
     assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+
+
+def test_openai_beam_search_equals_transformers(client, default_model_dir):
+    """vLLM's ``use_beam_search`` through the official client (``extra_body``): the ``n``
+    choices are transformers' ``num_beams=n`` hypotheses, best first."""
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=8,
+                                  extra_body={"use_beam_search": True, "return_token_ids": True})
+    ids = hf_tokenizer(str(default_model_dir)).encode(prompt)
+    assert [c.token_ids for c in r.choices] == hf_beams(default_model_dir, ids, 3, 8)
+

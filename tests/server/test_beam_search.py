@@ -132,15 +132,6 @@ async def test_fields_a_beam_search_cannot_honour_are_a_400(client, field, value
     assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
 
 
-async def test_smollm2_beams_equal_transformers(default_model_dir):
-    prompt = "The capital of France is"
-    async with serve(default_model_dir, name="smollm2", max_model_len=256) as c:
-        body = await beam_completion(c, prompt, n=3, max_tokens=8, length_penalty=1.0)
-    prompt_ids = hf_tokenizer(str(default_model_dir)).encode(prompt)
-    assert [ch["token_ids"] for ch in body["choices"]] == hf_beams(default_model_dir,
-                                                                  prompt_ids, 3, 8)
-
-
 async def test_beams_under_block_pressure_still_equal_transformers(tiny_model_dir):
     """A pool far too small for 4 beams of 88 tokens at once: beams are preempted and parked
     beams' blocks released, and the answer does not change."""
