@@ -11,7 +11,7 @@ import re
 
 from pagedserve.server.tool_parsers.base import MalformedCall, PartialCall
 from pagedserve.server.tool_parsers.json_scan import (
-    _bracket_end,
+    bracket_end,
     escape_controls,
     loads,
     scan_value,
@@ -36,7 +36,7 @@ def scan_call(text: str, pos: int, arg_keys: tuple[str, ...],
         return None, None
     if text[start] != "{":
         raise MalformedCall(f"a call starts with '{{', not {text[start]!r}")
-    end = _bracket_end(text, start)
+    end = bracket_end(text, start)
     if end is not None:
         return _complete(text, start, end, arg_keys), end
     m = _NAME_FIRST.match(text, start)

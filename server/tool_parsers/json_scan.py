@@ -42,23 +42,26 @@ def skip_ws(text: str, pos: int) -> int:
     return _WS.match(text, pos).end()  # type: ignore[union-attr]
 
 
-def _bracket_end(text: str, start: int) -> int | None:
-    """One past the bracket that closes the one at ``start`` (strings skipped), or ``None``."""
-    depth, in_string, escape = 0, False, False
+def bracket_end(text: str, start: int, quotes: str = '"', opens: str = "{[",
+                closes: str = "}]") -> int | None:
+    """One past the bracket that closes the one at ``start``, or ``None`` while it is not
+    there yet. Strings opened by any of ``quotes`` (backslash escapes) are skipped: JSON's
+    defaults, or Python's ``'"`` and ``([{`` for the pythonic parser."""
+    depth, quote, escape = 0, "", False
     for i in range(start, len(text)):
         ch = text[i]
-        if in_string:
+        if quote:
             if escape:
                 escape = False
             elif ch == "\\":
                 escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+            elif ch == quote:
+                quote = ""
+        elif ch in quotes:
+            quote = ch
+        elif ch in opens:
             depth += 1
-        elif ch in "}]":
+        elif ch in closes:
             depth -= 1
             if depth == 0:
                 return i + 1
@@ -72,7 +75,7 @@ def scan_value(text: str, pos: int) -> JsonValue | None:
     if start >= len(text):
         return None
     if text[start] in "{[":
-        end = _bracket_end(text, start)
+        end = bracket_end(text, start)
         if end is None:
             return JsonValue(start, None, len(text))
         try:

@@ -15,7 +15,7 @@ import re
 from typing import Any, ClassVar
 
 from pagedserve.server.tool_parsers.base import MalformedCall, Parsed, PartialCall, ToolParser
-from pagedserve.server.tool_parsers.json_scan import skip_ws
+from pagedserve.server.tool_parsers.json_scan import bracket_end, skip_ws
 
 _CALL_START = re.compile(r"[A-Za-z_][\w.]*\s*\(")
 _IDENT_PREFIX = re.compile(r"[A-Za-z_][\w.]*\s*")
@@ -61,25 +61,7 @@ class PythonicToolParser(ToolParser):
 
 def _paren_end(text: str, start: int) -> int | None:
     """One past the parenthesis closing the one at ``start`` (Python strings skipped)."""
-    depth, quote, escape = 0, "", False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if quote:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return bracket_end(text, start, quotes="'\"", opens="([{", closes=")]}")
 
 
 def _call(source: str) -> PartialCall:
