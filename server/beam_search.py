@@ -24,6 +24,7 @@ from pagedserve.actors.errors import (
 )
 from pagedserve.actors.request_stream import RequestStream
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.admission import admission_error, check_priority
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.responses import (
     DisconnectWatch,
@@ -75,18 +76,14 @@ def beam_search_params(body: Any, params: SamplingParams) -> BeamSearchParams:
 async def start_beam_search(engine: Any, request_id: str, prompt_ids: list[int], body: Any,
                             params: SamplingParams) -> BeamSearchStream:
     """Queue the search; refusals become HTTP errors (as ``Serving._start``)."""
-    if body.priority != 0 and engine.config.scheduler.policy != "priority":
-        raise OpenAIError("priority is only honoured with --scheduling-policy priority",
-                          param="priority")
+    check_priority(body, engine.config.scheduler.policy)
     try:
         return await engine.beam_search(
             request_id, prompt_ids, beam_search_params(body, params),
             stop_token_ids=list(body.stop_token_ids), priority=body.priority,
             cache_salt=body.cache_salt)
-    except EngineOverloaded as e:
-        raise OpenAIError(str(e), status=503, headers={"Retry-After": "1"}) from e
-    except DuplicateRequestId as e:
-        raise OpenAIError(str(e), status=400, param="X-Request-Id") from e
+    except (EngineOverloaded, DuplicateRequestId) as e:
+        raise admission_error(e) from e
 
 
 async def beam_search_response(watch: DisconnectWatch, stream: BeamSearchStream,

@@ -9,6 +9,7 @@ token-id lists; each prompt of a batch is one engine request per ``n`` (choice i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,15 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """A 400 on ``param`` naming the first id outside ``[0, vocab_size)``, and the size."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise OpenAIError(f"{param}: token id {t} is out of vocabulary (the vocabulary "
+                              f"has {vocab_size} tokens, ids 0 to {vocab_size - 1})",
+                              param=param)
+
+
 def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase, vocab_size: int,
              truncate: int | None, side: str | None, max_model_len: int) -> PromptInput:
     """Token ids (checked against the vocabulary) and text of one prompt, truncated to
@@ -51,11 +61,7 @@ def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase, vocab_
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
-        for t in prompt:
-            if not 0 <= t < vocab_size:
-                raise OpenAIError(f"prompt: token id {t} is out of vocabulary (the vocabulary "
-                                  f"has {vocab_size} tokens, ids 0 to {vocab_size - 1})",
-                                  param="prompt")
+        check_token_ids(prompt, vocab_size, "prompt")
         ids = list(prompt)
     if not ids:
         raise OpenAIError("prompt: a prompt must be given and non-empty", param="prompt")

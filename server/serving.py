@@ -24,6 +24,7 @@ from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.server.admission import admission_error, check_priority
 from pagedserve.server.beam_search import (
     beam_search_response,
     check_beam_search,
@@ -35,6 +36,7 @@ from pagedserve.server.logprobs_format import LogprobsFormatter
 from pagedserve.server.prompts import (
     PromptInput,
     check_logprob_fields,
+    check_token_ids,
     completion_prompts,
     tokenize,
     truncate_ids,
@@ -163,10 +165,7 @@ class Serving:
     ) -> list[RequestStream]:
         """Queue ``n`` engine requests per prompt (``jobs``: its ids and parameters), in choice
         order; all accepted, or none kept and an HTTP error raised."""
-        if body.priority != 0 and self.engine.config.scheduler.policy != "priority":
-            raise OpenAIError(
-                "priority is only honoured with --scheduling-policy priority", param="priority"
-            )
+        check_priority(body, self.engine.config.scheduler.policy)
         streams: list[RequestStream] = []
         try:
             for p, (prompt_ids, params) in enumerate(jobs):
@@ -178,12 +177,9 @@ class Serving:
                     streams.append(await self.engine.add_request(
                         f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
                         priority=body.priority, cache_salt=body.cache_salt, grammar=grammar))
-        except EngineOverloaded as e:
+        except (EngineOverloaded, DuplicateRequestId) as e:
             close_all(streams)
-            raise OpenAIError(str(e), status=503, headers={"Retry-After": "1"}) from e
-        except DuplicateRequestId as e:
-            close_all(streams)
-            raise OpenAIError(str(e), status=400, param="X-Request-Id") from e
+            raise admission_error(e) from e
         except BaseException:
             close_all(streams)
             raise
@@ -191,11 +187,7 @@ class Serving:
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
         """A 400 naming the first id outside the vocabulary, and the vocabulary's size."""
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise OpenAIError(f"{param}: token id {t} is out of vocabulary (the "
-                                  f"vocabulary has {self.vocab_size} tokens, ids 0 to "
-                                  f"{self.vocab_size - 1})", param=param)
+        check_token_ids(ids, self.vocab_size, param)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,

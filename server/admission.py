@@ -1,0 +1,25 @@
+"""What stands between a checked request and the engine: the scheduling-policy check and the
+HTTP error for a request the engine refused. One place for both the sampled requests
+(``Serving._start``) and a beam search (``beam_search.start_beam_search``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.server.errors import OpenAIError
+
+
+def check_priority(body: Any, policy: str) -> None:
+    """A 400 for a ``priority`` the scheduler would ignore (it is not the priority policy)."""
+    if body.priority != 0 and policy != "priority":
+        raise OpenAIError("priority is only honoured with --scheduling-policy priority",
+                          param="priority")
+
+
+def admission_error(e: EngineOverloaded | DuplicateRequestId) -> OpenAIError:
+    """The engine's refusal as HTTP: overloaded → 503 with ``Retry-After``, a request id
+    already in use → 400 on ``X-Request-Id``."""
+    if isinstance(e, EngineOverloaded):
+        return OpenAIError(str(e), status=503, headers={"Retry-After": "1"})
+    return OpenAIError(str(e), status=400, param="X-Request-Id")
