@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import structlog
 import torch
 from safetensors import safe_open
@@ -28,7 +27,13 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedserve.gpu.parallel.gguf_shard import shard_blocks
+from pagedserve.gpu.parallel.gguf_shard import (
+    CopiedBytes,
+    cached_rank_blocks,
+    check_gguf_split,
+    gguf_part,
+    rank_blocks,
+)
 from pagedserve.gpu.parallel.layout import RankLayout
 from pagedserve.kernels import cpu_ops, gguf_ops
 
@@ -116,13 +121,23 @@ def _read(path: Path):
     return arch, {t.name: t for t in reader.tensors}
 
 
-def read_blocks(gguf_file: Path, config: PretrainedConfig) -> tuple[dict, list[str]]:
+def _interleaved_heads(name: str, arch: str, heads: int, kv_heads: int) -> int:
+    """The heads whose q/k rows llama.cpp interleaved in tensor ``name`` (0: none)."""
+    short = name.split(".")[-2]
+    return {"attn_q": heads, "attn_k": kv_heads}.get(short, 0) if arch in _PERMUTED_ARCHS else 0
+
+
+def read_blocks(gguf_file: Path, config: PretrainedConfig, layout: RankLayout | None = None,
+                copied: CopiedBytes | None = None) -> tuple[dict, list[str]]:
     """The file's quantized linears by our module name: ``{name: (GGML type, [out, row_bytes]
     uint8 rows in transformers' order, fused parts stacked)}``, and the names left de-quantized
-    (a type we have no kernel for, or parts of one fused module with different types)."""
+    (a type we have no kernel for, or parts of one fused module with different types).
+    ``layout``: only that rank's share is copied out of the file (``gguf_shard.rank_blocks``);
+    ``copied`` counts the bytes copied."""
     arch, tensors = _read(gguf_file)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    copied = copied if copied is not None else CopiedBytes()
     groups: dict[str, list] = {}
     for name, t in tensors.items():
         parts = name.split(".")
@@ -140,31 +155,44 @@ def read_blocks(gguf_file: Path, config: PretrainedConfig) -> tuple[dict, list[s
                 or qtypes & gguf_ops.GGUF_BLOCK_BYTES.keys() != qtypes):
             kept.append(target)
             continue
-        rows = []
-        for t in parts:
-            data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # copy: the file is mmapped
-            short = t.name.split(".")[-2]
-            if arch in _PERMUTED_ARCHS and short in ("attn_q", "attn_k"):
-                data = _unpermute(data, heads if short == "attn_q" else kv_heads)
-            rows.append(data)
-        blocks[target] = (qtypes.pop(), torch.cat(rows) if len(rows) > 1 else rows[0])
+        qtype = qtypes.pop()
+        reads = [gguf_part(t.data, _interleaved_heads(t.name, arch, heads, kv_heads),
+                           _unpermute, copied) for t in parts]
+        if layout is None:
+            rows = [read(slice(0, n), slice(None)) for n, read in reads]
+            blocks[target] = (qtype, torch.cat(rows) if len(rows) > 1 else rows[0])
+        elif (local := rank_blocks(target, qtype, reads, config, layout)) is not None:
+            blocks[target] = (qtype, local)
     return blocks, kept
 
 
-def load_blocks(gguf_file: Path, config: PretrainedConfig,
-                cache_dir: Path | None = None) -> tuple[dict, list[str]]:
+def load_blocks(gguf_file: Path, config: PretrainedConfig, cache_dir: Path | None = None,
+                layout: RankLayout | None = None,
+                copied: CopiedBytes | None = None) -> tuple[dict, list[str]]:
     """``read_blocks``, cached as safetensors in ``cache_dir`` (the file's converted folder):
     parsing the GGUF is a noticeable share of every start, reading the cache a small fraction
-    of it (``loadtest/RESULTS.md``)."""
+    of it (``loadtest/RESULTS.md``). A tensor/pipeline-parallel rank (``layout``) copies only
+    its share, from the cache where it exists (else from the GGUF file, and writes no cache:
+    that would read every block); ``copied`` counts the bytes copied.
+
+    Raises:
+        ValueError: with ``layout``, a split that cuts a block (``check_gguf_split``).
+    """
+    copied = copied if copied is not None else CopiedBytes()
+    if layout is not None:
+        check_gguf_split(config, layout.tp_size)
     cached = cache_dir / BLOCKS_CACHE if cache_dir is not None else None
     if cached is not None and cached.exists():
         with safe_open(cached, framework="pt") as f:
             meta = f.metadata()
             qtypes = json.loads(meta["qtypes"])
+            if layout is not None:
+                return cached_rank_blocks(f, qtypes, config, layout, copied), json.loads(
+                    meta["kept"])
             return ({name: (qtype, f.get_tensor(name)) for name, qtype in qtypes.items()},
                     json.loads(meta["kept"]))
-    blocks, kept = read_blocks(gguf_file, config)
-    if cached is not None:
+    blocks, kept = read_blocks(gguf_file, config, layout, copied)
+    if cached is not None and layout is None:
         # Written beside and renamed: a crash or a concurrent start never leaves half a file.
         fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=cached.parent)
         os.close(fd)
@@ -186,9 +214,10 @@ def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig,
     ``RankLayout``, whose share of the blocks it keeps (``parallel/gguf_shard.py``; raises
     ``ValueError`` where a row-parallel split would cut a block). Returns how many modules
     were swapped."""
-    blocks, kept = load_blocks(gguf_file, config, cache_dir)
-    if layout is not None:
-        blocks = shard_blocks(blocks, config, layout)
+    copied = CopiedBytes()
+    blocks, kept = load_blocks(gguf_file, config, cache_dir, layout, copied)
+    log.info("gguf_blocks_read", bytes=copied.total,
+             rank=None if layout is None else layout.rank)
     modules = dict(model.named_modules())
     swapped = 0
     for target, (qtype, qweight) in blocks.items():

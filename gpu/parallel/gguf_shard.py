@@ -17,6 +17,10 @@ The split itself is Megatron-LM's; vLLM shards GGUF weights the same way in its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -42,59 +46,138 @@ def check_gguf_split(config: PretrainedConfig, tp: int) -> None:
                 f"{GGUF_BLOCK_SIZE}; use a smaller --tensor-parallel-size or --quantization none")
 
 
-def _rows(qweight: torch.Tensor, parts: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Rows ``[start, stop)`` of each stacked part ``(part_rows, start, stop)``, in order."""
-    out, offset = [], 0
-    for part_rows, start, stop in parts:
-        out.append(qweight[offset + start:offset + stop])
-        offset += part_rows
-    return torch.cat(out) if len(out) > 1 else out[0].clone()
+@dataclass(slots=True)
+class CopiedBytes:
+    """Bytes of block tensors copied out of a file while loading (what a rank read)."""
+
+    total: int = 0
 
 
-def _column_blocks(qweight: torch.Tensor, qtype: int, start: int, stop: int) -> torch.Tensor:
-    """Input elements ``[start, stop)`` of every row: whole blocks (``check_gguf_split``)."""
+# Reads rows ``[r0, r1)`` and byte columns ``[c0, c1)`` of one fused part of a block tensor
+# (``[part_rows, row_bytes]`` uint8, transformers' row order) as a new tensor: the only place
+# bytes leave the file, so a rank copies its share and nothing more.
+ReadPart = Callable[[slice, slice], torch.Tensor]
+
+
+def part_rows(name: str, config: PretrainedConfig) -> list[int]:
+    """The rows of each fused part of block tensor ``name`` (``qkv_proj``: q, k, v;
+    ``gate_up_proj``: gate, up; any other: one part of unknown rows, ``[-1]``)."""
+    heads, kv_heads, hs = _heads(config)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "qkv_proj":
+        return [heads * hs, kv_heads * hs, kv_heads * hs]
+    if leaf == "gate_up_proj":
+        return [config.intermediate_size] * 2
+    return [-1]
+
+
+def stacked_parts(read: Callable[[slice, slice], torch.Tensor], name: str,
+                  config: PretrainedConfig, total_rows: int) -> list[tuple[int, ReadPart]]:
+    """``rank_blocks``'s parts of one stacked tensor that ``read(rows, byte_cols)`` slices (a
+    tensor already in memory, or a memory-mapped safetensors slice): part ``i`` is rows
+    ``[offset_i, offset_i + rows_i)``."""
+    sizes = part_rows(name, config)
+    if sizes == [-1]:
+        sizes = [total_rows]
+    parts, offset = [], 0
+    for rows in sizes:
+        def part(r: slice, c: slice, base=offset) -> torch.Tensor:
+            return read(slice(base + r.start, base + r.stop), c)
+        parts.append((rows, part))
+        offset += rows
+    return parts
+
+
+def rank_blocks(name: str, qtype: int, parts: list[tuple[int, ReadPart]],
+                config: PretrainedConfig, layout: RankLayout) -> torch.Tensor | None:
+    """This rank's ``[rows, row_bytes]`` share of block tensor ``name`` (``None``: not on this
+    rank), read part by part through ``parts`` (``(rows, read)`` of each fused part, in
+    order): only the stage's layers (and ``lm_head`` on the last stage), each the rows or
+    blocks ``weights.shard_plan`` gives the de-quantized tensor.
+
+    Raises:
+        ValueError: a layer with no tensor-parallel split.
+    """
+    _, _, hs = _heads(config)
+    q, kv, inter = layout.q_heads, layout.kv_heads, layout.intermediate
+    whole = slice(None)
+    if name == "lm_head":
+        if not layout.is_last_stage:
+            return None
+        rows = parts[0][1](slice(*layout.vocab), whole)
+        pad = layout.vocab_per_rank - rows.shape[0]
+        return torch.cat((rows, rows.new_zeros(pad, rows.shape[1]))) if pad else rows
+    if not layout.layers[0] <= int(name.split(".")[2]) < layout.layers[1]:
+        return None
+    leaf = name.rsplit(".", 1)[1]
+    if leaf == "qkv_proj":
+        spans = [(q[0] * hs, q[1] * hs), (kv[0] * hs, kv[1] * hs), (kv[0] * hs, kv[1] * hs)]
+        return torch.cat([read(slice(*span), whole)
+                          for (_, read), span in zip(parts, spans, strict=True)])
+    if leaf == "gate_up_proj":
+        return torch.cat([read(slice(*inter), whole) for _, read in parts])
     bb = GGUF_BLOCK_BYTES[qtype]
-    return qweight[:, start // GGUF_BLOCK_SIZE * bb:stop // GGUF_BLOCK_SIZE * bb].contiguous()
+    if leaf == "o_proj":
+        start, stop = q[0] * hs, q[1] * hs
+    elif leaf == "down_proj":
+        start, stop = inter
+    else:
+        raise ValueError(f"no tensor-parallel split for GGUF layer {name}")
+    # Input elements [start, stop) of every row: whole blocks (check_gguf_split).
+    rows, read = parts[0]
+    return read(slice(0, rows), slice(start // GGUF_BLOCK_SIZE * bb, stop // GGUF_BLOCK_SIZE * bb))
+
+
+def gguf_part(data, n_head: int, unpermute: Callable[[torch.Tensor, int], torch.Tensor],
+              copied: CopiedBytes) -> tuple[int, ReadPart]:
+    """``(rows, read)`` of one GGUF tensor's ``data`` (``[rows, row_bytes]`` uint8, a view of
+    the memory-mapped file): ``read`` copies only its slice out of the file and undoes
+    llama.cpp's q/k interleave of ``n_head`` heads (0: none), which stays within a head, so
+    a slice of whole heads unpermutes on its own (``unpermute(rows, heads)``)."""
+    total = data.shape[0]
+
+    def read(r: slice, c: slice) -> torch.Tensor:
+        part = torch.from_numpy(np.array(data[r, c], dtype=np.uint8))  # a copy of the slice
+        copied.total += part.numel()
+        return unpermute(part, n_head * part.shape[0] // total) if n_head else part
+
+    return total, read
+
+
+def cached_rank_blocks(f, qtypes: dict[str, int], config: PretrainedConfig, layout: RankLayout,
+                       copied: CopiedBytes) -> dict:
+    """A rank's share of the blocks cached in safetensors file ``f`` (``safe_open``): each
+    read a memory-mapped slice (``get_slice``), so the other ranks' bytes are not copied."""
+    blocks = {}
+    for name, qtype in qtypes.items():
+        sl = f.get_slice(name)
+
+        def read(r: slice, c: slice, sl=sl) -> torch.Tensor:
+            part = sl[r, c]
+            copied.total += part.numel()
+            return part
+        local = rank_blocks(name, qtype, stacked_parts(read, name, config, sl.get_shape()[0]),
+                            config, layout)
+        if local is not None:
+            blocks[name] = (qtype, local.contiguous())
+    return blocks
 
 
 def shard_blocks(blocks: dict, config: PretrainedConfig, layout: RankLayout) -> dict:
-    """``gguf_linear.load_blocks``'s ``{name: (qtype, [out, row_bytes] uint8)}`` cut to this
-    rank's share: only the stage's layers (and ``lm_head`` on the last stage), each the rows
-    or blocks ``weights.shard_plan`` gives the de-quantized tensor.
+    """``gguf_linear.read_blocks``'s ``{name: (qtype, [out, row_bytes] uint8)}``, already in
+    memory, cut to this rank's share (``rank_blocks``). The loader reads only the share from
+    the file instead (``gguf_linear.load_blocks`` with a layout); this is its reference.
 
     Raises:
         ValueError: as ``check_gguf_split``.
     """
     check_gguf_split(config, layout.tp_size)
-    heads, kv_heads, hs = _heads(config)
-    q, kv = layout.q_heads, layout.kv_heads
-    inter = layout.intermediate
     out = {}
     for name, (qtype, qweight) in blocks.items():
-        if name == "lm_head":
-            if not layout.is_last_stage:
-                continue
-            rows = qweight[layout.vocab[0]:layout.vocab[1]]
-            pad = layout.vocab_per_rank - rows.shape[0]
-            out[name] = (qtype, torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
-                         if pad else rows.clone())
-            continue
-        index = int(name.split(".")[2])
-        if not layout.layers[0] <= index < layout.layers[1]:
-            continue
-        leaf = name.rsplit(".", 1)[1]
-        if leaf == "qkv_proj":
-            local = _rows(qweight, [(heads * hs, q[0] * hs, q[1] * hs),
-                                    (kv_heads * hs, kv[0] * hs, kv[1] * hs),
-                                    (kv_heads * hs, kv[0] * hs, kv[1] * hs)])
-        elif leaf == "gate_up_proj":
-            n = config.intermediate_size
-            local = _rows(qweight, [(n, *inter), (n, *inter)])
-        elif leaf == "o_proj":
-            local = _column_blocks(qweight, qtype, q[0] * hs, q[1] * hs)
-        elif leaf == "down_proj":
-            local = _column_blocks(qweight, qtype, *inter)
-        else:
-            raise ValueError(f"no tensor-parallel split for GGUF layer {name}")
-        out[name] = (qtype, local)
+        def read(r: slice, c: slice, w=qweight) -> torch.Tensor:
+            return w[r, c].clone()
+        local = rank_blocks(name, qtype, stacked_parts(read, name, config, qweight.shape[0]),
+                            config, layout)
+        if local is not None:
+            out[name] = (qtype, local.contiguous())
     return out

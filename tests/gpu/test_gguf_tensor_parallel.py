@@ -16,7 +16,7 @@ from pagedserve.gpu import gguf_linear, loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
 from pagedserve.gpu.parallel.comm import ParallelContext, free_port
-from pagedserve.gpu.parallel.gguf_shard import check_gguf_split, shard_blocks
+from pagedserve.gpu.parallel.gguf_shard import CopiedBytes, check_gguf_split, shard_blocks
 from pagedserve.gpu.parallel.layout import rank_layout
 from pagedserve.gpu.step_inputs import prepare_inputs
 from pagedserve.kernels import gguf_ops
@@ -100,6 +100,36 @@ def test_rank_blocks_are_the_slices_of_the_files_weights(tiny_gguf_path):
     assert shard_blocks(blocks, config, rank_layout(config, 1, 2, 1)).keys() == {
         "model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj",
         "model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj", "lm_head"}
+
+
+def test_a_rank_copies_only_its_share_from_the_file_and_from_the_cache(tiny_gguf_path,
+                                                                       tmp_path):
+    """Loading with a layout copies exactly the rank's blocks out of the memory-mapped GGUF
+    file (or the blocks cache), not the whole set: with tp=2 half of every layer's bytes
+    and of the vocabulary's; pp=2's second stage its one layer and the lm_head. The blocks
+    equal the in-memory split of the whole set (``shard_blocks``)."""
+    config = loader.load_config(loader.resolve_model(str(tiny_gguf_path)).path)
+    everything = CopiedBytes()
+    blocks, _ = gguf_linear.read_blocks(tiny_gguf_path, config, copied=everything)
+    assert everything.total == sum(w.numel() for _, w in blocks.values())
+    gguf_linear.load_blocks(tiny_gguf_path, config, tmp_path)  # writes the cache (tp=1)
+    assert (tmp_path / gguf_linear.BLOCKS_CACHE).exists()
+    for cache_dir in (None, tmp_path):
+        for tp, pp, rank in ((2, 1, 0), (2, 1, 1), (1, 2, 1)):
+            lay = rank_layout(config, tp, pp, rank)
+            copied = CopiedBytes()
+            mine, kept = gguf_linear.load_blocks(tiny_gguf_path, config, cache_dir, lay,
+                                                 copied)
+            want = shard_blocks(blocks, config, lay)
+            assert kept == [] and mine.keys() == want.keys(), (cache_dir, lay)
+            for name, (qtype, rows) in want.items():
+                assert mine[name][0] == qtype and torch.equal(mine[name][1], rows), name
+            assert copied.total == sum(w.numel() for _, w in want.values())
+            if tp == 2:  # 2 KV heads, 4 heads, MLP 128, vocab 49152: all split in halves
+                assert 2 * copied.total == everything.total, cache_dir
+            else:
+                layer0 = sum(w.numel() for n, (_, w) in blocks.items() if ".0." in n)
+                assert copied.total == everything.total - layer0, cache_dir
 
 
 def test_gguf_parallel_logits_equal_one_process(tiny_gguf_path):
