@@ -6,7 +6,8 @@ Two ways a process is the session's: it descends from the pytest process (throug
 the session sets before any test runs and every ``pagedserve serve`` and spawned worker
 inherits. The second finds an orphan too: a worker whose server died is re-parented to init
 and descends from nobody here. Of those, a leak is a live (not zombie) ``pagedserve``
-process or a ``multiprocessing`` spawn child (a parallel worker); multiprocessing's own
+process, a ``multiprocessing`` spawn child (a parallel worker) or a Ray process (the ray
+backend's local instance: gcs_server, raylet, agents, actors); multiprocessing's own
 resource tracker, which lives until pytest exits, is not. Linux ``/proc`` only.
 """
 
@@ -45,10 +46,16 @@ def _read(pid: int, session: str) -> Proc | None:
     return Proc(pid, int(fields[1]), fields[0], cmdline.strip(), marked)
 
 
+def is_ray(p: Proc) -> bool:
+    """One of Ray's processes: its gcs_server, raylet, agents and monitors (programs under the
+    ``ray`` package) or a worker (which renames itself ``ray::<what it runs>``)."""
+    return p.cmdline.startswith("ray::") or "site-packages/ray/" in p.cmdline
+
+
 def _is_ours(p: Proc) -> bool:
     if p.state in ("Z", "X"):
         return False
-    return "pagedserve" in p.cmdline or "--multiprocessing-fork" in p.cmdline and (
+    return "pagedserve" in p.cmdline or is_ray(p) or "--multiprocessing-fork" in p.cmdline and (
         "resource_tracker" not in p.cmdline)
 
 

@@ -1,12 +1,21 @@
-"""A tensor × pipeline parallel engine (tp=2 × pp=2: four spawned gloo workers behind the
-executor actor) through a real server: greedy outputs equal transformers' for batched,
-chunked-prefill, prefix-cached and preempted requests; ``/admin/stats`` shows the layout;
-with ``--quantization gguf`` each rank keeps its share of the GGUF blocks (tp=2)."""
+"""Issue 13's Done-means matrix on the tiny model, through a real server per layout: tp=2,
+pp=2 and tp=2 × pp=2 (spawned gloo workers behind the executor actor) give greedy float32
+outputs equal to transformers' for batched, chunked-prefill, prefix-cached and preempted
+requests; ``/admin/stats`` shows each layout; with ``--quantization gguf`` each rank keeps
+its share of the GGUF blocks (tp=2). The ray backend runs the same checks
+(``test_parallel_ray.py``); tp=3 on SmolLM2 is ``test_parallel_tp3.py``.
+
+One server per layout, its requests all at once: 12 blocks of 16 tokens hold two of the
+~100-token requests, so the six plus the long prompt preempt each other, and 32 tokens a
+step chunk the long prompt's prefill."""
 
 from __future__ import annotations
 
 import asyncio
+from functools import lru_cache
+from pathlib import Path
 
+import httpx
 import pytest_asyncio
 
 from pagedserve.gpu.config import ParallelConfig
@@ -15,45 +24,76 @@ from tests.conftest import chat_prompt_ids, hf_greedy, serve, stats, stream_chat
 PROMPTS = [f"Request number {i}: tell me about {w}" for i, w in
            enumerate(["cats", "dogs", "the sea", "mountains", "rain", "paging"])]
 LONG = " ".join(f"word{i}" for i in range(22))  # ~90 tokens: chunked at 32 a step
+NEW_TOKENS = 40
+SMALL_KV = {"num_blocks": 12, "max_model_len": 144, "max_num_batched_tokens": 32}
+
+# (tp, pp) → each rank's (rank, tp_rank, pp_rank, layers, q_heads, kv_heads), rank order.
+LAYOUTS = {
+    (2, 1): [(0, 0, 0, [0, 2], [0, 2], [0, 1]), (1, 1, 0, [0, 2], [2, 4], [1, 2])],
+    (1, 2): [(0, 0, 0, [0, 1], [0, 4], [0, 2]), (1, 0, 1, [1, 2], [0, 4], [0, 2])],
+    (2, 2): [(0, 0, 0, [0, 1], [0, 2], [0, 1]), (1, 1, 0, [0, 1], [2, 4], [1, 2]),
+             (2, 0, 1, [1, 2], [0, 2], [0, 1]), (3, 1, 1, [1, 2], [2, 4], [1, 2])],
+}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def client(tiny_model_dir):
-    # 12 blocks of 16 tokens: two ~100-token requests at once, so six preempt each other.
-    async with serve(tiny_model_dir, parallel=ParallelConfig(2, 2), num_blocks=12,
-                     max_model_len=144, max_num_batched_tokens=32) as c:
-        yield c
+@lru_cache(maxsize=2)
+def _wants(model_dir: Path) -> tuple[list[int], ...]:
+    """transformers' greedy tokens for PROMPTS and LONG (computed once for every layout)."""
+    return tuple(hf_greedy(model_dir, chat_prompt_ids(model_dir, p), NEW_TOKENS)[:NEW_TOKENS]
+                 for p in [*PROMPTS, LONG])
 
 
-async def test_layout_in_admin_stats(client):
-    layout = (await stats(client))["model"]["parallel"]
-    assert [(r["rank"], r["tp_rank"], r["pp_rank"]) for r in layout] == [
-        (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-    assert [r["layers"] for r in layout] == [[0, 1], [0, 1], [1, 2], [1, 2]]
-    assert [r["q_heads"] for r in layout] == [[0, 2], [2, 4]] * 2
-    assert [r["kv_heads"] for r in layout] == [[0, 1], [1, 2]] * 2
-    assert len({r["pid"] for r in layout}) == 4
+def check_layout(layout: list[dict], tp: int, pp: int) -> None:
+    assert [(r["rank"], r["tp_rank"], r["pp_rank"], r["layers"], r["q_heads"], r["kv_heads"])
+            for r in layout] == LAYOUTS[(tp, pp)]
+    assert len({r["pid"] for r in layout}) == tp * pp
 
 
-async def test_greedy_batched_chunked_preempted_equal_transformers(client, tiny_model_dir):
+async def check_batched_chunked_preempted(client: httpx.AsyncClient, model_dir: Path) -> None:
+    """Every prompt at once (batched; the long one chunked; some preempted and recomputed):
+    each stream's tokens equal transformers', and every block is free again after."""
+    before = (await stats(client))["scheduler"]["num_preempted_total"]
     prompts = [*PROMPTS, LONG]
-    wants = [hf_greedy(tiny_model_dir, chat_prompt_ids(tiny_model_dir, p), 40) for p in prompts]
     results = await asyncio.gather(
-        *(stream_chat(client, p, max_tokens=40, ignore_eos=True) for p in prompts))
-    for (_, tokens, _), want, p in zip(results, wants, prompts):
-        assert tokens == want[:40], p
+        *(stream_chat(client, p, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts))
+    for (_, tokens, _), want, p in zip(results, _wants(model_dir), prompts, strict=True):
+        assert tokens == want, p
     s = await stats(client)
-    assert s["scheduler"]["num_preempted_total"] > 0
+    assert s["scheduler"]["num_preempted_total"] > before
     assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
 
 
-async def test_prefix_cached_request_equals_transformers(client, tiny_model_dir):
-    want = hf_greedy(tiny_model_dir, chat_prompt_ids(tiny_model_dir, LONG), 16)
+async def check_prefix_cached(client: httpx.AsyncClient, model_dir: Path) -> None:
+    """The long prompt twice more, alone: the second reuses the first's cached blocks (a
+    prefix-cache hit) and both equal transformers'."""
+    want = _wants(model_dir)[-1][:16]
     before = (await stats(client))["kv_cache"]["prefix_cache_hits"]
     for _ in range(2):
         _, tokens, _ = await stream_chat(client, LONG, max_tokens=16, ignore_eos=True)
-        assert tokens == want[:16]
+        assert tokens == want
     assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=list(LAYOUTS),
+                        ids=lambda tp_pp: "tp{}xpp{}".format(*tp_pp))
+async def layout_client(request, tiny_model_dir):
+    tp, pp = request.param
+    async with serve(tiny_model_dir, parallel=ParallelConfig(tp, pp), **SMALL_KV) as c:
+        yield tp, pp, c
+
+
+async def test_layout_in_admin_stats(layout_client):
+    tp, pp, client = layout_client
+    check_layout((await stats(client))["model"]["parallel"], tp, pp)
+
+
+async def test_greedy_batched_chunked_preempted_equal_transformers(layout_client,
+                                                                   tiny_model_dir):
+    await check_batched_chunked_preempted(layout_client[2], tiny_model_dir)
+
+
+async def test_prefix_cached_request_equals_transformers(layout_client, tiny_model_dir):
+    await check_prefix_cached(layout_client[2], tiny_model_dir)
 
 
 async def test_gguf_blocks_over_two_ranks_equal_one_process(tiny_gguf_path):

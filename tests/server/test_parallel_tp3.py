@@ -1,9 +1,12 @@
 """Tensor parallel across three ranks on the real SmolLM2-135M (9 heads, 3 KV heads: three
 heads and one KV head a rank; its 576-wide MLP and 49,152-token vocabulary split in three),
-through the real ``pagedserve serve -tp 3`` process (issue 13): batched greedy float32 outputs
-equal a tp=1 server's token for token (and tp=1 equals transformers' ``generate``:
-``tests/test_e2e.py``; transformers itself is the slow part on a shared 2-core machine, ~5 s a
-prompt, so the tp=1 engine is the oracle here)."""
+through the real ``pagedserve serve -tp 3`` process (issue 13): greedy float32 outputs equal a
+tp=1 server's token for token (and tp=1 equals transformers' ``generate``: ``tests/test_e2e.py``;
+transformers itself is the slow part on a shared 2-core machine, ~5 s a prompt, so the tp=1
+engine is the oracle here) for batched, chunked-prefill, preempted and prefix-cached requests:
+12 KV blocks of 16 tokens and 32 tokens a step, so the five requests at once (the long one,
+~86 tokens, chunked) preempt each other, and the long prompt once more hits the prefix
+cache."""
 
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import pytest
 from pagedserve.server.launch import start_server_process
 from tests.conftest import serve
 
+LONG = " ".join(f"word{i}" for i in range(22))  # 86 tokens with the chat template
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "Name three colours.", "Why is the sky blue?"]
+           "Name three colours.", "Why is the sky blue?", LONG]
 NEW_TOKENS = 16
 
 
@@ -34,7 +38,8 @@ def tp3_server(default_model_dir, tmp_path_factory):
         try:
             proc, url = start_server_process(
                 [str(default_model_dir), "-tp", "3", "--dtype", "float32",
-                 "--quantization", "none", "--max-model-len", "512"],
+                 "--quantization", "none", "--max-model-len", "192",
+                 "--num-gpu-blocks-override", "12", "--max-num-batched-tokens", "32"],
                 stdout=out, stderr=subprocess.STDOUT, env=env)
         except RuntimeError as e:
             pytest.fail(f"{e}:\n{log.read_text()}")
@@ -72,11 +77,23 @@ async def _tp1_tokens(model_dir) -> list[list[int]]:
         return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
 
 
-async def test_tp3_batched_greedy_equals_tp1(tp3_server, default_model_dir):
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/admin/stats", timeout=30).json()
+
+
+async def test_tp3_batched_chunked_preempted_prefix_cached_equal_tp1(tp3_server,
+                                                                     default_model_dir):
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: one batch on the ranks
         got = await asyncio.gather(
             *(loop.run_in_executor(pool, _chat, tp3_server, p) for p in PROMPTS))
+    s = _stats(tp3_server)
+    assert s["scheduler"]["num_preempted_total"] > 0
+    assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"] == 12
+    hits = s["kv_cache"]["prefix_cache_hits"]
+    again = await loop.run_in_executor(None, _chat, tp3_server, LONG)
+    assert _stats(tp3_server)["kv_cache"]["prefix_cache_hits"] > hits
     wants = await _tp1_tokens(default_model_dir)
-    for tokens, want, p in zip(got, wants, PROMPTS):
+    for tokens, want, p in zip([*got, again], [*wants, wants[-1]], [*PROMPTS, "again"],
+                               strict=True):
         assert len(tokens) == NEW_TOKENS and tokens == want, p
