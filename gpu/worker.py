@@ -111,9 +111,23 @@ class Worker:
             self.runner.parallel.destroy()
 
 
+def _one_gpu_per_rank(rank: int) -> None:
+    """Before CUDA starts in this process: let it see only this rank's GPU (the ``rank``-th of
+    those the server sees), so every rank's ``cuda`` is its own device and NCCL finds one GPU
+    per rank (vLLM's way; Ray does the same for its actors). No effect without CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d for d in visible.split(",") if d] if visible is not None else None
+    if devices is None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    elif rank < len(devices):
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[rank]
+
+
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """The spawned process's entry point (mp backend); exits 0 when told to stop."""
     _die_with_parent()
+    if spec.model_config.device in (None, "cuda"):
+        _one_gpu_per_rank(spec.rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us
     worker = Worker(spec)
     try:
