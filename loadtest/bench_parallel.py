@@ -4,15 +4,21 @@
    hidden states ``[S, hidden]`` float32 (two per layer), and the step's broadcast of a pickled
    32-request decode ``SchedulerOutput``: over pipes (what the mp executor does) and, for
    comparison, with ``torch.distributed.broadcast_object_list`` over gloo.
-2. The engine in this process, greedy, EOS ignored, ``--output-tokens`` per request, at 1 / 8 /
+2. Where a tp=2 step goes: one rank's ``ModelRunner`` decode step of 1 and 32 requests
+   (one thread a rank, two spawned ranks) against tp=1's (two threads), with the time inside
+   its all-reduces (per call, and per step: two a layer and the embedding's) and in the
+   logits gather, timed around ``ParallelContext``'s methods; medians over the steps.
+3. The engine in this process, greedy, EOS ignored, ``--output-tokens`` per request, at 1 / 8 /
    32 concurrent streams: output tok/s, mean TTFT and ITL, for tp=1 (all the threads), tp=2
-   and pp=2 (``threads / ranks`` each), and the mp executor's measured broadcast per step.
+   and pp=2 (``threads / ranks`` each), and the mp executor's measured broadcast per step;
+   ``--rounds`` times with the layouts alternating (tp=1, tp=2, pp=2, tp=1, ...), so a busy
+   neighbour slows all of them alike, and the median of the rounds reported.
 
 The model: a random Llama of SmolLM2-135M's width (hidden 576, MLP 1536, vocab 49152) with 8
 heads and 4 KV heads (SmolLM2's 9 heads do not split in two) and ``--layers`` layers.
 
 Usage: ``.venv/bin/python loadtest/bench_parallel.py [--layers 12] [--output-tokens 32]
-[--streams 1,8,32] [--json out.json]``
+[--streams 1,8,32] [--rounds 3] [--layouts 1x1,2x1,1x2] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -117,6 +123,93 @@ def collectives(iters: int = 300) -> dict:
     return out
 
 
+def _decode_batch(num_reqs: int, ctx: int = 64) -> SchedulerOutput:
+    """``num_reqs`` decodes at position ``ctx``, each with its own blocks."""
+    from pagedserve.gpu.batch import order_batch
+
+    greedy, per = SamplingParams(temperature=0.0), ctx // 16 + 1
+    return SchedulerOutput(order_batch([
+        ScheduledRequest(f"r{i}", [100 + i], ctx, list(range(i * per, (i + 1) * per)), greedy,
+                         True, ctx) for i in range(num_reqs)]))
+
+
+def _timed_steps(path: str, parallel, batches: list[int], iters: int) -> dict:
+    """Median step ms per batch size, and (under tp) the µs inside all-reduce and gather."""
+    from pagedserve.gpu.model_runner import ModelRunner
+    from pagedserve.gpu.parallel.comm import ParallelContext
+
+    spent = {"all_reduce": 0.0, "calls": 0, "gather": 0.0}
+    for method, key in (("all_reduce", "all_reduce"), ("gather_logits", "gather")):
+        inner = getattr(ParallelContext, method)
+
+        def timed(self, *args, _inner=inner, _key=key):
+            start = time.perf_counter()
+            try:
+                return _inner(self, *args)
+            finally:
+                spent[_key] += time.perf_counter() - start
+                spent["calls"] += _key == "all_reduce"
+        setattr(ParallelContext, method, timed)
+    runner = ModelRunner(ModelConfig(model=path, dtype="float32", max_model_len=512),
+                         CacheConfig(num_gpu_blocks_override=600), 2048, 64, parallel=parallel)
+    runner.load()
+    out = {}
+    for b in batches:
+        so, times = _decode_batch(b), []
+        for i in range(iters + 3):  # three warm-up steps
+            if i == 3:
+                spent.update(all_reduce=0.0, calls=0, gather=0.0)
+            start = time.perf_counter()
+            runner.execute_model(so)
+            times.append(time.perf_counter() - start)
+        calls = max(spent["calls"], 1)
+        out[b] = {"step_ms": round(statistics.median(times[3:]) * 1e3, 2),
+                  "all_reduce_us_per_call": round(spent["all_reduce"] / calls * 1e6, 1),
+                  "all_reduces_per_step": spent["calls"] / iters,
+                  "all_reduce_ms_per_step": round(spent["all_reduce"] / iters * 1e3, 2),
+                  "gather_ms_per_step": round(spent["gather"] / iters * 1e3, 2)}
+    return out
+
+
+def _breakdown_rank(path: str, rank: int, tp: int, port: int, batches, iters, results) -> None:
+    import os
+
+    from pagedserve.gpu import loader
+    from pagedserve.gpu.parallel.comm import ParallelContext
+    from pagedserve.gpu.parallel.layout import rank_layout
+
+    threads = 2 if tp == 1 else 1
+    os.environ["PAGEDSERVE_CPU_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    parallel = None
+    if tp > 1:
+        layout = rank_layout(loader.load_config(Path(path)), tp, 1, rank)
+        parallel = ParallelContext.init(layout, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    try:
+        out = _timed_steps(path, parallel, batches, iters)
+    finally:
+        if parallel is not None:
+            parallel.destroy()
+    if rank == 0:
+        results.put(out)
+
+
+def step_breakdown(path: Path, batches=(1, 32), iters: int = 30) -> dict:
+    """``{"tp1": {batch: ...}, "tp2": {batch: ...}}`` (``_timed_steps``), tp=1 first."""
+    ctx, out = mp.get_context("spawn"), {}
+    for tp in (1, 2):
+        results, port = ctx.Queue(), free_port()
+        procs = [ctx.Process(target=_breakdown_rank,
+                             args=(str(path), r, tp, port, list(batches), iters, results))
+                 for r in range(tp)]
+        for p in procs:
+            p.start()
+        out[f"tp{tp}"] = results.get(timeout=600)
+        for p in procs:
+            p.join()
+    return out
+
+
 async def _one(engine, i: int, prompt: list[int], n: int) -> tuple[float, list[float]]:
     start, times = time.perf_counter(), []
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -156,23 +249,46 @@ async def bench_layout(path: Path, tp: int, pp: int, streams: list[int], n: int)
             "broadcast_us_per_step": None if bcast is None else round(bcast, 1)}
 
 
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One layout's rounds → the median of each figure at each stream count."""
+    levels = []
+    for i, level in enumerate(rounds[0]["levels"]):
+        levels.append({"streams": level["streams"], **{
+            k: round(statistics.median(r["levels"][i][k] for r in rounds), 2)
+            for k in ("output_tok_s", "ttft_ms", "itl_ms")}})
+    bcast = [r["broadcast_us_per_step"] for r in rounds if r["broadcast_us_per_step"]]
+    return {"tp": rounds[0]["tp"], "pp": rounds[0]["pp"], "rounds": len(rounds),
+            "levels": levels,
+            "broadcast_us_per_step": round(statistics.median(bcast), 1) if bcast else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default="1x1,2x1,1x2", help="TPxPP, comma-separated")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
+    layouts = [tuple(int(x) for x in lay.split("x")) for lay in args.layouts.split(",")]
     result = {"cpu_threads": cpu_threads(), "collectives": collectives()}
     print(json.dumps(result["collectives"], indent=1), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(args.layers, Path(tmp))
-        result["layouts"] = []
-        for tp, pp in ((1, 1), (2, 1), (1, 2)):
-            r = asyncio.run(bench_layout(path, tp, pp, streams, args.output_tokens))
-            print(json.dumps(r), flush=True)
-            result["layouts"].append(r)
+        result["step_breakdown"] = step_breakdown(path)
+        print(json.dumps(result["step_breakdown"]), flush=True)
+        runs: dict[tuple[int, int], list[dict]] = {lay: [] for lay in layouts}
+        for rnd in range(args.rounds):
+            for tp, pp in layouts:
+                r = asyncio.run(bench_layout(path, tp, pp, streams, args.output_tokens))
+                print(json.dumps({"round": rnd, **r}), flush=True)
+                runs[(tp, pp)].append(r)
+        result["rounds"] = [r for rs in runs.values() for r in rs]
+        result["medians"] = [median_of_rounds(rs) for rs in runs.values()]
+        for r in result["medians"]:
+            print("median", json.dumps(r), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 
