@@ -22,6 +22,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 
@@ -116,10 +117,11 @@ def _one_gpu_per_rank(rank: int) -> None:
     those the server sees), so every rank's ``cuda`` is its own device and NCCL finds one GPU
     per rank (vLLM's way; Ray does the same for its actors). No effect without CUDA."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d for d in visible.split(",") if d] if visible is not None else None
-    if devices is None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    elif rank < len(devices):
+    if visible is not None:
+        devices = [d for d in visible.split(",") if d]
+    else:  # counted without starting CUDA (which would fix what this process sees)
+        devices = [str(i) for i in range(len(list(Path("/dev").glob("nvidia[0-9]*"))))]
+    if rank < len(devices):  # else the ranks share devices, and NCCL says so at start
         os.environ["CUDA_VISIBLE_DEVICES"] = devices[rank]
 
 
