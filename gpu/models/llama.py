@@ -278,5 +278,7 @@ class LlamaForCausalLM(nn.Module):
         # Only the rows that are sampled.
         rows = inputs.logits_indices
         x, _ = m.norm(x[rows], residual[rows])
-        logits = self.lm_head(x).float()
-        return logits if pp is None else pp.gather_logits(logits, self.config.vocab_size)
+        logits = self.lm_head(x)  # gathered before the cast: half the bytes in bfloat16
+        if pp is not None:
+            logits = pp.gather_logits(logits, self.config.vocab_size)
+        return None if logits is None else logits.float()
