@@ -50,10 +50,27 @@ def _serve(tiny_model_dir: Path, log) -> tuple[subprocess.Popen, str, list[int]]
         [str(tiny_model_dir), "-tp", "2", "--dtype", "float32", "--max-model-len", "4096",
          "--num-gpu-blocks-override", "300"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    layout = httpx.get(f"{url}/admin/stats", timeout=30).json()["model"]["parallel"]
-    workers = [r["pid"] for r in layout]
+    workers = [r["pid"] for r in _our_layout(proc, url)]
     assert len(workers) == 2 and set(workers) <= set(group_pids(proc.pid))
     return proc, url, workers
+
+
+def _our_layout(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> list[dict]:
+    """The rank layout of *this* server (its workers in its process group). On a machine
+    shared with other checkouts another server can take the free port first and answer the
+    start's ``/health`` check (seen once: a tp=1 server, no layout) until it stops and this
+    one binds: wait for this one, however long; ``timeout`` only catches a hung start."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server exited with code {proc.returncode}"
+        try:
+            layout = httpx.get(f"{url}/admin/stats", timeout=30).json()["model"]["parallel"]
+            if layout and {r["pid"] for r in layout} <= set(group_pids(proc.pid)):
+                return layout
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        assert time.monotonic() < deadline, f"no answer from this server at {url}"
+        time.sleep(0.2)
 
 
 def _wait_group_empty(pgid: int, timeout: float = 60.0) -> None:
