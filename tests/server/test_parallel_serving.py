@@ -56,6 +56,17 @@ async def test_prefix_cached_request_equals_transformers(client, tiny_model_dir)
     assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
 
 
+async def test_two_batches_in_flight_never_one_request_in_both(client):
+    """pp=2 keeps two batches in flight (stage 1 on batch k+1 while stage 2 is on batch k),
+    each with requests the other does not hold (``actors/inflight.py`` raises otherwise)."""
+    results = await asyncio.gather(
+        *(stream_chat(client, p, max_tokens=8, ignore_eos=True) for p in PROMPTS[:4]))
+    assert all(len(tokens) == 8 for _, tokens, _ in results)
+    sched = (await stats(client))["scheduler"]
+    assert sched["max_batches_in_flight"] == 2
+    assert sched["num_scheduled_ahead_total"] == 0
+
+
 async def test_gguf_blocks_over_two_ranks_equal_one_process(tiny_gguf_path):
     """``-tp 2 --quantization gguf`` on the tiny GGUF: each rank multiplies its half of the
     blocks, and greedy output equals the one-process GGUF model's."""
