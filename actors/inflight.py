@@ -5,7 +5,7 @@ and the engine core's batch queue for pipeline parallelism; read to learn only):
 
 - ``--async-scheduling`` (one rank, ``depth`` 2): a request that samples in step k and can be
   scheduled ahead gets its next decode in step k+1 at once, with ``PREV_SAMPLED`` in place of
-  the token step k will sample; the runner substitutes it on its own thread
+  the token step k will sample (one mid-prefill gets its next chunk); the runner substitutes it on its own thread
   (``gpu/prev_sampled.py``), so the executor's thread goes from step k to k+1 without waiting
   for the event loop. A request that ends at step k has its step-k+1 token dropped (the
   scheduler skips a finished request's output) and its blocks freed once k+1 is done.
@@ -145,36 +145,46 @@ class InFlight:
         return ahead + self._plan_around(hidden, budget, seats)
 
     def _decodes_ahead(self, budget: int) -> list[ScheduledRequest]:
-        """The next decode of each request that samples in the newest step in flight and may
-        be scheduled ahead (``_can_go_ahead``), with ``PREV_SAMPLED`` as its input token. One
-        whose blocks are short waits for the output instead (nobody is preempted for it)."""
+        """What each request of the newest step in flight computes next, if it may be
+        scheduled ahead (``_can_go_ahead``): after a sampled token, one decode with
+        ``PREV_SAMPLED`` as its input; after a prefill chunk, the next chunk. One whose blocks
+        are short waits for the output instead (nobody is preempted for it)."""
         out: list[ScheduledRequest] = []
         for sr in self.steps[-1].so.scheduled:
             request = self.requests.get(sr.req_id)
-            if len(out) >= budget or request is None or not self._can_go_ahead(request, sr):
+            if budget <= 0:
+                break
+            if request is None or not self._can_go_ahead(request, sr):
                 continue
             ahead = self.ahead.get(sr.req_id, 0)
-            if self.kv.allocate_slots(request, ahead + 1) is None:
+            start = request.num_computed_tokens + ahead
+            n = 1 if sr.sample else min(request.num_tokens - start, budget)
+            if self.kv.allocate_slots(request, ahead + n) is None:
                 continue
             out.append(ScheduledRequest(
-                req_id=sr.req_id, token_ids=[PREV_SAMPLED],
-                num_computed_tokens=request.num_computed_tokens + ahead,
+                req_id=sr.req_id, num_computed_tokens=start,
+                token_ids=[PREV_SAMPLED] if sr.sample else request.all_token_ids[start:start + n],
                 block_ids=self.kv.get_block_ids(sr.req_id),
-                sampling_params=request.sampling_params, sample=True,
+                sampling_params=request.sampling_params,
+                sample=sr.sample or start + n == request.num_tokens,
                 num_prompt_tokens=request.num_prompt_tokens,
             ))
+            budget -= n
         return out
 
     def _can_go_ahead(self, request: Request, sr: ScheduledRequest) -> bool:
-        """Whether ``request``'s next input is only the token ``sr`` samples, and that token
-        may not end it for sure (else its next decode would be wasted)."""
+        """Whether ``request``'s next input is known without ``sr``'s output (the rest of its
+        prompt, or only the token ``sr`` samples), and that token may not end it for sure
+        (else its next decode would be wasted)."""
         params = request.sampling_params
-        if (not sr.sample or sr.spec_token_ids or request.status != RequestStatus.RUNNING
+        if (sr.spec_token_ids or request.status != RequestStatus.RUNNING
                 or self.busy.get(sr.req_id, 0) != 1):
             return False
         if (request.structured_output is not None or request.beam_group is not None
                 or params.prompt_logprobs is not None):
             return False
+        if not sr.sample:
+            return True
         num_output = len(request.output_token_ids) + 1  # with the token in flight
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return False

@@ -157,3 +157,32 @@ def test_refused_with_speculative_decoding_or_several_ranks():
     with pytest.raises(ValueError, match="one rank"):
         in_flight_depth(SchedulerConfig(async_scheduling=True), Pipeline())
     assert in_flight_depth(SchedulerConfig(), Pipeline()) == (2, False)
+
+
+async def test_failed_step_fails_only_its_request_with_the_next_in_flight(tiny_model_dir,
+                                                                          monkeypatch):
+    """A step that raises while the next one is in flight: the newer step's output is
+    dropped, the failed one rerun request by request, and only the faulty request fails."""
+    import pagedserve.gpu.model_runner as model_runner
+
+    real = model_runner.sample
+
+    def faulty(logits, rows):  # the real sampler, except for one marked row
+        if any(r.params.seed == 4242 for r in rows):
+            raise RuntimeError("injected sampler fault")
+        return real(logits, rows)
+
+    monkeypatch.setattr(model_runner, "sample", faulty)
+    async with serve_tiny(tiny_model_dir, True) as client:
+        good = dict(max_tokens=30, ignore_eos=True)
+        want = (await chat(client, PROMPTS[0], **good))["choices"][0]["token_ids"]
+        bad = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 30,
+               "temperature": 1.0, "seed": 4242}
+        results = await asyncio.gather(*(chat(client, PROMPTS[0], **good) for _ in range(3)),
+                                       client.post("/v1/chat/completions", json=bad))
+        assert all(r["choices"][0]["token_ids"] == want for r in results[:3])
+        assert results[3].status_code == 500
+        assert "injected sampler fault" in results[3].json()["error"]["message"]
+        s = await stats(client)
+        assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+        assert s["scheduler"]["num_scheduled_ahead_total"] > 0
