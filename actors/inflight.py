@@ -5,9 +5,9 @@ and the engine core's batch queue for pipeline parallelism; read to learn only):
 
 - ``--async-scheduling`` (one rank, ``depth`` 2): a request that samples in step k and can be
   scheduled ahead gets its next decode in step k+1 at once, with ``PREV_SAMPLED`` in place of
-  the token step k will sample (one mid-prefill gets its next chunk); the runner substitutes it on its own thread
-  (``gpu/prev_sampled.py``), so the executor's thread goes from step k to k+1 without waiting
-  for the event loop. A request that ends at step k has its step-k+1 token dropped (the
+  the token step k will sample (one mid-prefill gets its next chunk); the runner puts the
+  token in on its own thread (``gpu/prev_sampled.py``), so the executor's thread goes from
+  step k to k+1 without waiting for the event loop. A request that ends at step k has its step-k+1 token dropped (the
   scheduler skips a finished request's output) and its blocks freed once k+1 is done.
 - pipeline parallelism (``-pp N``, ``depth`` N): stage 1 computes batch k+1 while stage 2
   computes batch k. A request is never in two batches in flight: each batch holds requests
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ ASYNC_DEPTH = 2  # one step ahead: the step being built while the executor runs 
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A step sent to the executor: its batch, the reply to come, when scheduling began."""
+    """A step sent to the executor: its batch, the reply to come, when scheduling began
+    (once landed: when the executor could begin it, after the step before it landed)."""
 
     so: SchedulerOutput
     reply: asyncio.Future[ModelRunnerOutput]
@@ -111,6 +113,7 @@ class InFlight:
         # /admin/stats: most steps sent and not answered at once; requests put in a step while
         # already in one (async scheduling's decodes ahead; always 0 under pp).
         self.max_batches_in_flight = 0
+        self.last_landed = 0.0  # time.monotonic() of the last step's output
         self.num_scheduled_ahead_total = 0
 
     def __len__(self) -> int:
@@ -252,6 +255,8 @@ class InFlight:
         step = self.steps[0]
         try:
             out = await step.reply
+            # Its time is the executor's on it: from the step before it, if that ended later.
+            step.start, self.last_landed = max(step.start, self.last_landed), time.monotonic()
         except Exception:
             log.exception("step_failed", num_reqs=len(step.so.scheduled))
             await self._give_up_newer(step)

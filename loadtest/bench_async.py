@@ -4,7 +4,8 @@
 measures what that buys: for each model, output tok/s and the wall time per step (wall time of
 the run / steps the scheduler took) with 1 and with 8 concurrent greedy requests, sync and
 async engines alternating round after round (the machine is shared: report the medians).
-With ``--pp``, also a pipeline-parallel engine (``-pp 2``, the tiny model) against one rank.
+With ``--pp``, also a pipeline-parallel engine (``-pp 2``, the tiny model) against one rank,
+and against itself with one batch in flight (``pp2-sync``: the loop before pipelining).
 
 Usage: ``.venv/bin/python loadtest/bench_async.py [--rounds 5] [--output-tokens 64]
 [--models tiny,smollm2] [--pp]``; prints one JSON line per measurement, then the medians.
@@ -54,9 +55,33 @@ async def start(model: str | None, dtype: str, async_scheduling: bool,
         parallel=parallel or ParallelConfig()))
 
 
+def time_steps(engine: AsyncEngine) -> list[tuple[float, float]]:
+    """Record ``(start, end)`` of every step on the executor's thread (one rank only): the gap
+    from one step's end to the next one's start is the idle time async scheduling removes."""
+    spans: list[tuple[float, float]] = []
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        return spans
+    execute = runner.execute_model
+
+    def timed(so):
+        start = time.perf_counter()
+        try:
+            return execute(so)
+        finally:
+            spans.append((start, time.perf_counter()))
+
+    runner.execute_model = timed
+    return spans
+
+
 async def run(engine: AsyncEngine, streams: int, tokens: int) -> dict:
     """``streams`` greedy requests of ``tokens`` output tokens each, all at once."""
     tok = engine.tokenizer
+    spans = getattr(engine, "_bench_spans", None)
+    if spans is None:
+        spans = engine._bench_spans = time_steps(engine)  # type: ignore[attr-defined]
+    spans.clear()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     steps_before = engine.scheduler.num_steps
 
@@ -71,7 +96,12 @@ async def run(engine: AsyncEngine, streams: int, tokens: int) -> dict:
     n = sum(await asyncio.gather(*(one(i) for i in range(streams))))
     wall = time.perf_counter() - t0
     steps = engine.scheduler.num_steps - steps_before
-    return {"tok_s": n / wall, "step_ms": 1000 * wall / steps, "steps": steps}
+    row = {"tok_s": n / wall, "step_ms": 1000 * wall / steps, "steps": steps}
+    if len(spans) > 2:  # the executor thread: busy per step, idle between steps
+        row["forward_ms"] = 1000 * statistics.median(e - s for s, e in spans)
+        row["gap_ms"] = 1000 * statistics.median(
+            b[0] - a[1] for a, b in zip(spans, spans[1:]))
+    return row
 
 
 async def compare(label: str, engines: dict[str, AsyncEngine], rounds: int, tokens: int,
@@ -94,12 +124,13 @@ async def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--models", default="tiny,smollm2")
     p.add_argument("--pp", action="store_true", help="also -pp 2 against one rank (tiny)")
+    p.add_argument("--only-pp", action="store_true", help="skip the sync/async comparison")
     args = p.parse_args()
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = str(tiny_model(Path(tmp) / "tiny"))
         models = {"tiny": (tiny, "float32"), "smollm2": (None, "auto")}
-        for label in args.models.split(","):
+        for label in [] if args.only_pp else args.models.split(","):
             path, dtype = models[label]
             engines = {"sync": await start(path, dtype, False),
                        "async": await start(path, dtype, True)}
@@ -110,7 +141,9 @@ async def main() -> None:
                     await engine.shutdown()
         if args.pp:
             engines = {"pp1": await start(tiny, "float32", False),
-                       "pp2": await start(tiny, "float32", False, ParallelConfig(1, 2))}
+                       "pp2": await start(tiny, "float32", False, ParallelConfig(1, 2)),
+                       "pp2-sync": await start(tiny, "float32", False, ParallelConfig(1, 2))}
+            engines["pp2-sync"].scheduler.inflight.depth = 1  # one batch at a time, as before
             try:
                 await compare("tiny", engines, args.rounds, args.output_tokens, results)
             finally:
@@ -120,10 +153,10 @@ async def main() -> None:
     for model, mode, streams in keys:
         rows = [r for r in results if (r["model"], r["mode"], r["streams"]) == (model, mode,
                                                                                 streams)]
+        med = {k: round(statistics.median(r[k] for r in rows), 2)
+               for k in ("tok_s", "step_ms", "forward_ms", "gap_ms") if k in rows[0]}
         print(json.dumps({"median": True, "model": model, "mode": mode, "streams": streams,
-                          "tok_s": round(statistics.median(r["tok_s"] for r in rows), 1),
-                          "step_ms": round(statistics.median(r["step_ms"] for r in rows), 2),
-                          "runs": len(rows)}))
+                          **med, "runs": len(rows)}))
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ async def test_model_and_config(client):
     cfg = s["config"]
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512,
                                 "policy": "fcfs", "max_waiting_requests": None,
-                                "speculative": None}
+                                "async_scheduling": False, "speculative": None}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
     assert cfg["model"]["cpu_isa"] in ("generic", "avx2", "avx512")  # the kernels' tier
