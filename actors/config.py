@@ -29,7 +29,8 @@ class SchedulerConfig:
     })
     async_scheduling: bool = field(default=False, metadata={
         "help": "build the next step while the model runs this one (each decoding request "
-                "assumed to get one token; not with --speculative-config or several ranks)",
+                "assumed to get one token); with -pp N, N batches in flight; not with "
+                "--speculative-config or -tp alone",
     })
     speculative: SpeculativeConfig | None = field(default=None, metadata={
         "help": 'speculative decoding as JSON: n-gram drafts, e.g. \'{"method": "ngram", '

@@ -7,19 +7,21 @@ and the engine core's batch queue for pipeline parallelism; read to learn only):
   scheduled ahead gets its next decode in step k+1 at once, with ``PREV_SAMPLED`` in place of
   the token step k will sample (one mid-prefill gets its next chunk); the runner puts the
   token in on its own thread (``gpu/prev_sampled.py``), so the executor's thread goes from
-  step k to k+1 without waiting for the event loop. A request that ends at step k has its step-k+1 token dropped (the
-  scheduler skips a finished request's output) and its blocks freed once k+1 is done.
-- pipeline parallelism (``-pp N``, ``depth`` N): stage 1 computes batch k+1 while stage 2
-  computes batch k. A request is never in two batches in flight: each batch holds requests
-  no other batch in flight holds ("lanes": about ``1/N`` of the requests each), so nothing is
-  scheduled ahead of a token nobody has yet.
+  step k to k+1 without waiting for the event loop. A request that ends at step k has its
+  step-k+1 token dropped (the scheduler skips a finished request's output) and its blocks
+  freed once k+1 is done.
+- pipeline parallelism (``-pp N`` with ``--async-scheduling``, ``depth`` N): stage 1 computes
+  batch k+1 while stage 2 computes batch k. A request is never in two batches in flight:
+  each batch holds requests no other batch in flight holds ("lanes": about ``1/N`` of the
+  requests each), so nothing is scheduled ahead of a token nobody has yet.
 
 What cannot be scheduled ahead exactly waits for its step's output, then goes on as in the
 synchronous loop: guided requests (the next bitmask needs the token), beams, prompt logprobs,
 a request whose in-flight token surely ends it (``max_tokens``, ``max_model_len``). Speculative
 decoding (drafts need the last token) and beam search in flight are not combined with it:
 ``--async-scheduling`` refuses speculative decoding at start, and a beam search running makes
-the loop synchronous while it runs.
+the loop synchronous while it runs. Off by default, for both uses: on the shared development
+machine neither was faster (``loadtest/RESULTS.md``).
 
 The planner (``actors/step_planner.py``) plans around the requests in flight: it sees the
 running list without them, so it never preempts one (the executor still writes its blocks),
@@ -63,22 +65,26 @@ class InFlightStep:
 
 
 def in_flight_depth(config: SchedulerConfig, executor: object) -> tuple[int, bool]:
-    """``(depth, schedule_ahead)`` for ``executor``: its ``pipeline_depth`` (pp) without
-    scheduling ahead, or 2 with it under ``--async-scheduling`` on an executor that fills
-    ``PREV_SAMPLED`` (one rank), else ``(1, False)``: the synchronous loop.
+    """``(depth, schedule_ahead)`` under ``--async-scheduling``: the executor's
+    ``pipeline_depth`` in lanes when it has stages (``-pp``), 2 with decodes ahead on an
+    executor that fills ``PREV_SAMPLED`` (one rank); without the flag ``(1, False)``, the
+    synchronous loop.
 
     Raises:
-        ValueError: ``--async-scheduling`` with speculative decoding or several ranks.
+        ValueError: ``--async-scheduling`` with speculative decoding, or with ranks that are
+            not pipeline stages (``-tp`` alone, or the ray backend).
     """
-    depth = getattr(executor, "pipeline_depth", 1)
     if not config.async_scheduling:
-        return depth, False
+        return 1, False
     if config.speculative is not None:
         raise ValueError("--async-scheduling does not combine with --speculative-config "
                          "(drafts need the last sampled token): drop one of them")
+    depth = getattr(executor, "pipeline_depth", 1)
+    if depth > 1:
+        return depth, False
     if not getattr(executor, "fills_prev_sampled", False):
-        raise ValueError("--async-scheduling runs on one rank; with --pipeline-parallel-size "
-                         "the pipeline keeps its batches in flight by itself: drop the flag")
+        raise ValueError("--async-scheduling runs on one rank, or with --pipeline-parallel-size"
+                         " > 1 and the mp backend: drop the flag")
     return ASYNC_DEPTH, True
 
 

@@ -9,10 +9,10 @@ and no collective timeout while the server idles); the executor waits on the dri
 and on every worker's pipe and process sentinel at once, so a worker that raises or dies ends
 the wait at once with its reason (``WorkerFailed``) instead of hanging in a collective.
 
-Pipeline parallelism keeps ``pp`` batches in flight (``pipeline_depth``; the scheduler's side
-is ``actors/inflight.py``): a step is broadcast as soon as it arrives, from a thread of its
-own, while another thread waits for the replies in order, so stage 1 starts batch k+1 while
-stage 2 still computes batch k.
+Under ``--async-scheduling`` pipeline parallelism keeps ``pp`` batches in flight
+(``pipeline_depth``; the scheduler's side is ``actors/inflight.py``): a step is broadcast as
+soon as it arrives, from a thread of its own, while another thread waits for the replies in
+order, so stage 1 starts batch k+1 while stage 2 still computes batch k.
 """
 
 from __future__ import annotations

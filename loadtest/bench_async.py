@@ -5,7 +5,7 @@ measures what that buys: for each model, output tok/s and the wall time per step
 the run / steps the scheduler took) with 1 and with 8 concurrent greedy requests, sync and
 async engines alternating round after round (the machine is shared: report the medians).
 With ``--pp``, also a pipeline-parallel engine (``-pp 2``, the tiny model) against one rank,
-and against itself with one batch in flight (``pp2-sync``: the loop before pipelining).
+two batches in flight (``--async-scheduling``) and one (``pp2-sync``, the default).
 
 Usage: ``.venv/bin/python loadtest/bench_async.py [--rounds 5] [--output-tokens 64]
 [--models tiny,smollm2] [--pp]``; prints one JSON line per measurement, then the medians.
@@ -141,9 +141,8 @@ async def main() -> None:
                     await engine.shutdown()
         if args.pp:
             engines = {"pp1": await start(tiny, "float32", False),
-                       "pp2": await start(tiny, "float32", False, ParallelConfig(1, 2)),
+                       "pp2": await start(tiny, "float32", True, ParallelConfig(1, 2)),
                        "pp2-sync": await start(tiny, "float32", False, ParallelConfig(1, 2))}
-            engines["pp2-sync"].scheduler.inflight.depth = 1  # one batch at a time, as before
             try:
                 await compare("tiny", engines, args.rounds, args.output_tokens, results)
             finally:

@@ -154,9 +154,13 @@ def test_refused_with_speculative_decoding_or_several_ranks():
     class Pipeline:  # what the multi-process executor tells the scheduler
         pipeline_depth = 2
 
+    class TensorParallel:  # -tp alone: no stages, and no rank fills PREV_SAMPLED
+        pipeline_depth = 1
+
     with pytest.raises(ValueError, match="one rank"):
-        in_flight_depth(SchedulerConfig(async_scheduling=True), Pipeline())
-    assert in_flight_depth(SchedulerConfig(), Pipeline()) == (2, False)
+        in_flight_depth(SchedulerConfig(async_scheduling=True), TensorParallel())
+    assert in_flight_depth(SchedulerConfig(async_scheduling=True), Pipeline()) == (2, False)
+    assert in_flight_depth(SchedulerConfig(), Pipeline()) == (1, False)
 
 
 async def test_failed_step_fails_only_its_request_with_the_next_in_flight(tiny_model_dir,

@@ -20,8 +20,9 @@ LONG = " ".join(f"word{i}" for i in range(22))  # ~90 tokens: chunked at 32 a st
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def client(tiny_model_dir):
     # 12 blocks of 16 tokens: two ~100-token requests at once, so six preempt each other.
+    # --async-scheduling: two batches in flight, so the parity tests below cover them too.
     async with serve(tiny_model_dir, parallel=ParallelConfig(2, 2), num_blocks=12,
-                     max_model_len=144, max_num_batched_tokens=32) as c:
+                     max_model_len=144, max_num_batched_tokens=32, async_scheduling=True) as c:
         yield c
 
 
@@ -57,7 +58,8 @@ async def test_prefix_cached_request_equals_transformers(client, tiny_model_dir)
 
 
 async def test_two_batches_in_flight_never_one_request_in_both(client):
-    """pp=2 keeps two batches in flight (stage 1 on batch k+1 while stage 2 is on batch k),
+    """pp=2 under --async-scheduling keeps two batches in flight (stage 1 on batch k+1 while
+    stage 2 is on batch k),
     each with requests the other does not hold (``actors/inflight.py`` raises otherwise)."""
     results = await asyncio.gather(
         *(stream_chat(client, p, max_tokens=8, ignore_eos=True) for p in PROMPTS[:4]))
