@@ -27,6 +27,11 @@ class SchedulerConfig:
     max_waiting_requests: int | None = field(default=None, metadata={
         "help": "refuse new requests with 503 while this many wait", "default_text": "no limit",
     })
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "build the next step while the model runs this one (each decoding request "
+                "assumed to get one token); with -pp N, N batches in flight; not with "
+                "--speculative-config or -tp alone",
+    })
     speculative: SpeculativeConfig | None = field(default=None, metadata={
         "help": 'speculative decoding as JSON: n-gram drafts, e.g. \'{"method": "ngram", '
                 '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '

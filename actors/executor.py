@@ -1,11 +1,16 @@
 """The executor actor: owns the model runner and runs each step on one dedicated thread, so the
 event loop keeps serving HTTP and SSE while the forward pass runs. ``make_executor`` picks it,
 or for a tensor/pipeline-parallel model the multi-process (``multiproc_executor.py``) or Ray
-(``ray_executor.py``) one."""
+(``ray_executor.py``) one.
+
+Steps are queued to the thread as they arrive: with a step built ahead (``--async-scheduling``,
+``actors/inflight.py``) the thread goes from one forward pass to the next without waiting for
+the event loop, and the runner fills the input tokens the scheduler did not have yet."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.actors.actor import Actor
@@ -19,6 +24,7 @@ from pagedserve.gpu.parallel.layout import check_layout
 
 class Executor(Actor):
     name = "executor"
+    fills_prev_sampled = True  # the runner takes PREV_SAMPLED from its last step
 
     def __init__(self, runner: ModelRunner):
         super().__init__()
@@ -38,20 +44,25 @@ class Executor(Actor):
         loop = asyncio.get_running_loop()
         while True:
             msg: ExecuteModel = await self.mailbox.get()
-            try:
-                out = await loop.run_in_executor(
-                    self._thread, self.runner.execute_model, msg.scheduler_output
-                )
-            except Exception as e:
-                if not msg.reply.done():
-                    msg.reply.set_exception(e)
-                continue
-            if not msg.reply.done():
-                msg.reply.set_result(out)
+            step = loop.run_in_executor(self._thread, self.runner.execute_model,
+                                        msg.scheduler_output)
+            step.add_done_callback(functools.partial(_answer, msg.reply))
 
     async def stop(self) -> None:
         await super().stop()
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def _answer(reply: asyncio.Future, step: asyncio.Future) -> None:
+    """Pass a finished step's output or error to the scheduler's ``reply``."""
+    if reply.done():
+        return
+    if step.cancelled():
+        reply.cancel()
+    elif step.exception() is not None:
+        reply.set_exception(step.exception())
+    else:
+        reply.set_result(step.result())
 
 
 async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,

@@ -8,6 +8,11 @@ worker waits for the next step blocked in ``recv`` (no spinning, which two cores
 and no collective timeout while the server idles); the executor waits on the driver's pipe
 and on every worker's pipe and process sentinel at once, so a worker that raises or dies ends
 the wait at once with its reason (``WorkerFailed``) instead of hanging in a collective.
+
+Under ``--async-scheduling`` pipeline parallelism keeps ``pp`` batches in flight
+(``pipeline_depth``; the scheduler's side is ``actors/inflight.py``): a step is broadcast as
+soon as it arrives, from a thread of its own, while another thread waits for the replies in
+order, so stage 1 starts batch k+1 while stage 2 still computes batch k.
 """
 
 from __future__ import annotations
@@ -90,7 +95,10 @@ class MultiprocExecutor(Actor):
         self.dead = asyncio.Event()
         self.broadcast_seconds = 0.0  # summed over steps: the pickling and the pipe writes
         self.num_steps = 0
+        self.pipeline_depth = parallel.pipeline_parallel_size  # batches in flight at most
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-executor")
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-bcast")
+        self._answers: set[asyncio.Task] = set()  # one per step in flight
 
     async def load(self) -> ModelInfo:
         """Spawn the workers, let them load, and merge what they report."""
@@ -159,31 +167,53 @@ class MultiprocExecutor(Actor):
         self._shutdown_workers(grace_s=0.0)  # the others are stuck in a collective
         raise WorkerFailed(reason)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank (on the executor's thread)."""
+    def broadcast(self, so: SchedulerOutput) -> None:
+        """Send one step to every rank (on the sender thread, steps in order)."""
         if self.failure is not None:
-            raise WorkerFailed(self.failure)
+            return  # the waiter raises
         start = time.perf_counter()
-        self._send(("step", so))
+        try:
+            self._send(("step", so))
+        except Exception as e:  # the waiter would wait for a reply that never comes
+            self._fail(f"broadcast of a step failed: {type(e).__name__}: {e}")
         self.broadcast_seconds += time.perf_counter() - start
         self.num_steps += 1
+
+    def wait_output(self) -> ModelRunnerOutput:
+        """The oldest unanswered step's output, from the rank that samples (waiter thread)."""
+        if self.failure is not None:
+            raise WorkerFailed(self.failure)
         return self._wait({self.driver_rank})[self.driver_rank]
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank, nothing else in flight (tools and tests)."""
+        self.broadcast(so)
+        return self.wait_output()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             msg: ExecuteModel = await self.mailbox.get()
-            try:
-                out = await loop.run_in_executor(self._thread, self.execute_model,
-                                                 msg.scheduler_output)
-            except Exception as e:
-                if isinstance(e, WorkerFailed):
-                    self.dead.set()
-                if not msg.reply.done():
-                    msg.reply.set_exception(e)
-                continue
+            sent = loop.run_in_executor(self._sender, self.broadcast, msg.scheduler_output)
+            output = loop.run_in_executor(self._thread, self.wait_output)  # in arrival order
+            task = loop.create_task(self._answer(msg, sent, output))
+            self._answers.add(task)
+            task.add_done_callback(self._answers.discard)
+
+    async def _answer(self, msg: ExecuteModel, sent: asyncio.Future,
+                      output: asyncio.Future) -> None:
+        """Pass ``msg``'s output, or why there is none, to its reply."""
+        try:
+            await sent
+            out = await output
+        except Exception as e:
+            if isinstance(e, WorkerFailed):
+                self.dead.set()
             if not msg.reply.done():
-                msg.reply.set_result(out)
+                msg.reply.set_exception(e)
+            return
+        if not msg.reply.done():
+            msg.reply.set_result(out)
 
     def _shutdown_workers(self, grace_s: float = STOP_TIMEOUT_S) -> None:
         """Ask every worker to stop, give them ``grace_s``, then SIGTERM, then SIGKILL what is
@@ -204,5 +234,8 @@ class MultiprocExecutor(Actor):
 
     async def stop(self) -> None:
         await super().stop()
+        for task in list(self._answers):
+            task.cancel()
         await asyncio.get_running_loop().run_in_executor(self._thread, self._shutdown_workers)
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._sender.shutdown(wait=True, cancel_futures=True)

@@ -6,7 +6,9 @@ Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its co
 2. ``schedule()``: the batch ``StepPlanner`` decides under ``max_num_batched_tokens`` and
    ``max_num_seqs`` (running requests first, then admissions; preemption by recompute when
    the blocks run out: ``actors/step_planner.py``);
-3. send the batch to the executor actor and await its reply;
+3. send the batch to the executor actor and await its reply; with batches in flight
+   (``--async-scheduling``, pipeline parallelism: ``actors/inflight.py``), build the next
+   one first;
 4. ``update_from_output()``: advance ``num_computed_tokens`` (with n-gram drafts, by the
    accepted ones plus one: ``actors/spec_decode.py``), append sampled tokens, finish requests,
    free their blocks and push each request's new tokens to its queue. A beam of a beam search
@@ -26,12 +28,12 @@ from pagedserve.actors.beam_group import BeamScheduler
 from pagedserve.actors.beam_search import BeamSearch
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.actors.inflight import InFlight, in_flight_depth
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
-    ExecuteModel,
     GetStats,
     GrammarReady,
     NotifyWhenIdle,
@@ -86,37 +88,33 @@ class Scheduler(Actor):
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
         self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
                                    self._finish)
+        self.inflight = InFlight(config, kv_cache_manager, self.planner, self.requests, executor,
+                                 *in_flight_depth(config, executor), max_model_len,
+                                 lambda: bool(self.beams.groups))
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
-            if not self.has_unfinished_requests():
+            if not self.has_unfinished_requests() and not self.inflight:
                 self._notify_idle()
                 self._handle(await self.mailbox.get())
             self._drain_mailbox()
-            if not self.has_unfinished_requests():
-                continue
-            start = time.monotonic()
-            so = self.schedule()
-            if not so.scheduled:  # nothing fits now; wait for an abort or a new request
-                self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
-                if self.beams.release_parked():  # unless parked beams held the blocks
+            if self.has_unfinished_requests() and self.inflight.has_room():
+                start = time.monotonic()
+                so = self.schedule()
+                if so.scheduled:  # with room left, the next step is built at once
+                    self.inflight.send(so, start)
                     continue
-                self._handle(await self.mailbox.get())
-                continue
-            try:
-                out = await self._execute(so)
-            except Exception:
-                log.exception("step_failed", num_reqs=len(so.scheduled))
-                out = await self._execute_isolated(so)
-            self._record_step(so, out, start)
-            self.update_from_output(so, out)
-
-    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-        self.executor.send(ExecuteModel(so, reply))
-        return await reply
+                self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
+                if not self.inflight:  # nothing fits now; wait for an abort or a new request
+                    if not self.beams.release_parked():  # unless parked beams held blocks
+                        self._handle(await self.mailbox.get())
+                    continue
+            if self.inflight:  # the oldest step's output (a failed one rerun request by request)
+                step, out = await self.inflight.land(self._execute_isolated)
+                self._record_step(step.so, out, step.start)
+                self.update_from_output(step.so, out)
 
     async def _execute_isolated(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """After a failed step, rerun each request alone: only the one that fails by itself is
@@ -124,7 +122,7 @@ class Scheduler(Actor):
         merged = ModelRunnerOutput({}, {})
         for sr in so.scheduled:
             try:  # copies are idempotent: each rerun may repeat them
-                out = await self._execute(SchedulerOutput([sr], blocks_to_copy=so.blocks_to_copy))
+                out = await self.inflight.execute([sr], so.blocks_to_copy)
             except Exception as e:
                 log.exception("request_failed", request_id=sr.req_id)
                 request = self.requests.get(sr.req_id)
@@ -244,7 +242,7 @@ class Scheduler(Actor):
         elif request.status != RequestStatus.WAITING_FOR_BEAMS:  # parked beams sit nowhere
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        self.inflight.free(request)  # at once, or when no step in flight writes its blocks
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -263,7 +261,7 @@ class Scheduler(Actor):
     def schedule(self) -> SchedulerOutput:
         """The step's batch (``StepPlanner.plan``), the ids that ended since the last step, and
         the grammar bitmask of the guided requests that sample in it."""
-        scheduled = self.planner.plan()
+        scheduled = self.inflight.plan()
         for sr in scheduled:  # prefill chunks of requests that want prompt logprobs
             if sr.sampling_params.prompt_logprobs is not None:
                 sr.prompt_logprobs = self.requests[sr.req_id].prompt_logprobs_wanted(
@@ -385,6 +383,8 @@ class Scheduler(Actor):
             num_beam_forks_total=self.beams.num_forks_total,
             spec_decode=self.spec_decode.copy(
                 self.planner.spec.seconds if self.planner.spec is not None else 0.0),
+            max_batches_in_flight=self.inflight.max_batches_in_flight,
+            num_scheduled_ahead_total=self.inflight.num_scheduled_ahead_total,
         )
         pool = self.kv.block_pool
         kv = KVCacheStats(

@@ -258,6 +258,8 @@ class SchedulerStats:
         requests: the waiting and running requests, running first.
         num_beam_forks_total: beams forked by beam searches (each shares its parent's blocks
             and copies at most its last partial block).
+        max_batches_in_flight: most steps the executor held at once (``actors/inflight.py``).
+        num_scheduled_ahead_total: requests put in a step while in another one in flight.
     """
 
     num_running: int
@@ -272,6 +274,8 @@ class SchedulerStats:
     requests: list[RequestStats] = field(default_factory=list)
     num_beam_forks_total: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    max_batches_in_flight: int = 0
+    num_scheduled_ahead_total: int = 0
 
 
 @dataclass(slots=True)

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     import torch
 
 
+# A decode's input token when the scheduler built the step before the previous one's output
+# came (``--async-scheduling``): the token this runner sampled for the request last
+# (``gpu/prev_sampled.py`` puts it in). Never a vocabulary id.
+PREV_SAMPLED = -1
+
+
 class Segment(IntEnum):
     """The three kinds of request in a step, in the order the flattened batch holds them
     (vLLM V1's backends split a batch the same way): decode attention takes a run of decodes

@@ -25,6 +25,7 @@ from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
+from pagedserve.gpu.prev_sampled import PrevSampled
 from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
@@ -95,10 +96,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer
         # _capture_cuda_graphs()
         self.cuda_graphs: CudaGraphRunner | None = None
-        # Per live request: its seeded RNG, and every token computed so far (penalties read
-        # them).
+        # Per live request: its seeded RNG, every token computed so far (penalties read them),
+        # its last sampled token (the input of a step built ahead: --async-scheduling).
         self.generators: dict[str, torch.Generator] = {}
         self.token_ids: dict[str, list[int]] = {}
+        self.prev_sampled = PrevSampled()
         self.draft = DraftModel(draft) if draft is not None else None
 
     def load(self) -> ModelInfo:
@@ -267,16 +269,13 @@ class ModelRunner:
             eos = None
         if eos is None:
             eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, list | tuple) else [eos]
+        return [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         seed = r.sampling_params.seed
         if seed is None or r.sampling_params.greedy:
             return None
-        gen = self.generators.get(r.req_id)
-        if gen is None:
+        if (gen := self.generators.get(r.req_id)) is None:
             gen = self.generators[r.req_id] = torch.Generator(device=self.device)
             gen.manual_seed(seed)
         return gen
@@ -287,6 +286,7 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
             self.token_ids.pop(req_id, None)
+            self.prev_sampled.forget(req_id)
             if self.draft is not None:
                 self.draft.forget(req_id)
         kv_cache.copy_blocks(self.kv_caches, so.blocks_to_copy)  # beams' copy-on-write
@@ -299,12 +299,12 @@ class ModelRunner:
         if self.draft is not None:
             self._propose_drafts(so.scheduled)
         verify_start = time.perf_counter()
+        self.prev_sampled.fill(so.scheduled)
         for r in so.scheduled:
             known = self.token_ids.setdefault(r.req_id, [])
             if r.prefix_token_ids is not None:
                 known[:] = r.prefix_token_ids
-            # Recompute after preemption rewrites the tail, and so does the step after drafts:
-            # the rejected ones go.
+            # Recompute after preemption rewrites the tail, as does the step after drafts.
             del known[r.num_computed_tokens :]
             known.extend(r.token_ids)
             known.extend(r.spec_token_ids)
@@ -336,11 +336,11 @@ class ModelRunner:
                 out.draft_seconds = self.draft.times.take()
             return out
         out = sample(logits, [self._row(r) for r in sampled_reqs])
-        return ModelRunnerOutput(
+        return self.prev_sampled.record(ModelRunnerOutput(
             {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
             {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
             prompt_lps,
-        )
+        ))
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, so: SchedulerOutput,

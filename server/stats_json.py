@@ -48,6 +48,8 @@ def scheduler_json(s: SchedulerStats) -> dict[str, Any]:
         "num_steps_total": s.num_steps_total,
         "num_computed_tokens_total": s.num_computed_tokens_total,
         "policy": s.policy,
+        "max_batches_in_flight": s.max_batches_in_flight,
+        "num_scheduled_ahead_total": s.num_scheduled_ahead_total,
         "num_beam_forks_total": s.num_beam_forks_total,
         "requests": [request_json(r) for r in s.requests],
     }

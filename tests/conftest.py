@@ -125,6 +125,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
             policy=kw.pop("policy", "fcfs"),
             max_waiting_requests=kw.pop("max_waiting_requests", None),
             speculative=kw.pop("speculative", None),
+            async_scheduling=kw.pop("async_scheduling", False),
         ),
         structured_output=StructuredOutputConfig(
             compile_timeout_s=kw.pop("compile_timeout_s", 30.0)),

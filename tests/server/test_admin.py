@@ -152,7 +152,7 @@ async def test_model_and_config(client):
     cfg = s["config"]
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512,
                                 "policy": "fcfs", "max_waiting_requests": None,
-                                "speculative": None}
+                                "async_scheduling": False, "speculative": None}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
     assert cfg["model"]["cpu_isa"] in ("generic", "avx2", "avx512")  # the kernels' tier
@@ -210,7 +210,7 @@ async def test_stats_json_shape(client):
         "num_waiting", "num_waiting_for_grammar", "num_running", "num_preempted_total",
         "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",
         "num_computed_tokens_total", "policy", "requests", "num_beam_forks_total",
-        "spec_decode"}
+        "spec_decode", "max_batches_in_flight", "num_scheduled_ahead_total"}
     assert set(s["scheduler"]["spec_decode"]) == {
         "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
         "acceptance_rate_per_pos", "mean_acceptance_length", "draft_time_s", "verify_time_s"}

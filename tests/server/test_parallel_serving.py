@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import httpx
+import pytest
 import pytest_asyncio
 
 from pagedserve.gpu.config import ParallelConfig
@@ -78,7 +79,9 @@ async def check_prefix_cached(client: httpx.AsyncClient, model_dir: Path) -> Non
                         ids=lambda tp_pp: "tp{}xpp{}".format(*tp_pp))
 async def layout_client(request, tiny_model_dir):
     tp, pp = request.param
-    async with serve(tiny_model_dir, parallel=ParallelConfig(tp, pp), **SMALL_KV) as c:
+    # --async-scheduling under pp: two batches in flight, so the parity tests cover them too.
+    async with serve(tiny_model_dir, parallel=ParallelConfig(tp, pp), async_scheduling=pp > 1,
+                     **SMALL_KV) as c:
         yield tp, pp, c
 
 
@@ -94,6 +97,21 @@ async def test_greedy_batched_chunked_preempted_equal_transformers(layout_client
 
 async def test_prefix_cached_request_equals_transformers(layout_client, tiny_model_dir):
     await check_prefix_cached(layout_client[2], tiny_model_dir)
+
+
+async def test_two_batches_in_flight_never_one_request_in_both(layout_client):
+    """pp=2 under --async-scheduling keeps two batches in flight (stage 1 on batch k+1 while
+    stage 2 is on batch k),
+    each with requests the other does not hold (``actors/inflight.py`` raises otherwise)."""
+    tp, pp, client = layout_client
+    if pp == 1:
+        pytest.skip("batches in flight need pipeline stages")
+    results = await asyncio.gather(
+        *(stream_chat(client, p, max_tokens=8, ignore_eos=True) for p in PROMPTS[:4]))
+    assert all(len(tokens) == 8 for _, tokens, _ in results)
+    sched = (await stats(client))["scheduler"]
+    assert sched["max_batches_in_flight"] == 2
+    assert sched["num_scheduled_ahead_total"] == 0
 
 
 async def test_gguf_blocks_over_two_ranks_equal_one_process(tiny_gguf_path):
