@@ -91,6 +91,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.cpu_ops_isa.argtypes, lib.cpu_ops_isa.restype = [], ctypes.c_char_p
     lib.cpu_ops_has_prefill.argtypes, lib.cpu_ops_has_prefill.restype = [], ctypes.c_int
     lib.gguf_dequantize.argtypes, lib.gguf_dequantize.restype = [ptr] * 2 + [i64] * 3, None
+    lib.gguf_q8_repack.argtypes, lib.gguf_q8_repack.restype = [ptr] * 2 + [i64] * 3, None
     for variant in ("", "_vnni"):
         for suffix in ("f32", "bf16"):
             fn = getattr(lib, f"gguf_q8_linear_{suffix}{variant}", None)

@@ -72,6 +72,7 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torc
 
 # The int8 kernel's loops: the portable one, the tier's maddubs/madd loop, its vpdpbusd one.
 Q8_VARIANTS = ("generic", "simd", "vnni")
+_VARIANTS: dict[tuple[int, str | None], tuple[str, ...]] = {}
 
 
 def q8_variants() -> tuple[str, ...]:
@@ -81,21 +82,42 @@ def q8_variants() -> tuple[str, ...]:
     lib, tier = load(), cpu_ops.isa()
     if lib is None:
         return ()
-    out = ["generic"] if tier == "generic" else ["generic", "simd"]
-    if (hasattr(lib, "gguf_q8_linear_f32_vnni")
-            and cpu_isa.VNNI_CPU_FLAG.get(tier or "") in cpu_isa.cpu_flags()):
-        out.append("vnni")
-    return tuple(out)
+    key = (id(lib), tier)
+    if key not in _VARIANTS:  # cached: reading /proc/cpuinfo per call costs more than a gemv
+        out = ["generic"] if tier == "generic" else ["generic", "simd"]
+        if (hasattr(lib, "gguf_q8_linear_f32_vnni")
+                and cpu_isa.VNNI_CPU_FLAG.get(tier or "") in cpu_isa.cpu_flags()):
+            out.append("vnni")
+        _VARIANTS[key] = tuple(out)
+    return _VARIANTS[key]
 
 
-def gguf_q8_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+Q8_PANEL_ROWS = 16  # rows per repacked panel (csrc/gguf_q8_gemm.cpp)
+
+
+def gguf_q8_repack(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """GGUF rows (as ``gguf_linear`` takes them) repacked for ``gguf_q8_linear``: panels of 16
+    rows with their codes interleaved 4 bytes at a time, the rows padded to a multiple of 16.
+    Returns uint8 ``[ceil(N / 16) * 16, row_bytes]``, the same bytes per row as the input."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"cpu kernels unavailable: {error()}")
+    _check_gguf(qweight, qtype, in_features)
+    n = qweight.shape[0]
+    padded = -(-n // Q8_PANEL_ROWS) * Q8_PANEL_ROWS
+    out = torch.empty((padded, qweight.shape[1]), dtype=torch.uint8)
+    lib.gguf_q8_repack(qweight.data_ptr(), out.data_ptr(), n, in_features, qtype)
+    return out
+
+
+def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_features: int,
                    variant: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` with ``x`` quantized to int8 per 32-value block and integer block products
     (llama.cpp's arithmetic; ``q8_reference.gguf_q8_linear`` is the same in torch).
 
     Args:
         x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
-        qweight, qtype: as ``gguf_linear``.
+        packed: ``gguf_q8_repack``'s panels of W (GGML type ``qtype``), ``out_features`` rows.
         variant: one of ``q8_variants()``; None = the fastest there (its last).
         out: ``[rows, N]`` contiguous in x's dtype to write into (tests poison it), else new.
 
@@ -114,17 +136,19 @@ def gguf_q8_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
         raise ValueError(f"int8 variant {variant!r} does not run here (tier {cpu_ops.isa()}, "
                          f"runs {', '.join(variants) or 'none'})")
     _kernel("gguf_q8_linear", x.dtype)  # the library and dtype checks
-    fn = getattr(load(), f"gguf_q8_linear_{_SUFFIX[x.dtype]}{'_vnni' if variant == 'vnni' else ''}")
+    name = f"gguf_q8_linear_{_SUFFIX[x.dtype]}{'_vnni' if variant == 'vnni' else ''}"
     k = x.shape[-1]
-    _check_gguf(qweight, qtype, k)
+    _check_gguf(packed, qtype, k)
+    if packed.shape[0] != -(-out_features // Q8_PANEL_ROWS) * Q8_PANEL_ROWS:
+        raise ValueError(f"packed has {packed.shape[0]} rows, not {out_features} padded to 16")
     rows = x.reshape(-1, k).contiguous()
-    shape = (rows.shape[0], qweight.shape[0])
+    shape = (rows.shape[0], out_features)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype)
     elif out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be contiguous {x.dtype} {shape}")
-    rc = fn(rows.data_ptr(), qweight.data_ptr(), out.data_ptr(), shape[0], shape[1], k, qtype,
-            int(variant == "generic"))
+    rc = getattr(load(), name)(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), shape[0],
+                               shape[1], k, qtype, int(variant == "generic"))
     if rc != 0:
         raise RuntimeError(f"gguf_q8_linear failed ({rc}: -2 = out of memory)")
     return out.view(*x.shape[:-1], shape[1])

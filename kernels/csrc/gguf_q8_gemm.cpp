@@ -1,29 +1,37 @@
 // The int8-activation mode of the GGUF products (``--cpu-linear-mode int8``): y[M, N] =
 // x[M, K] @ W[N, K]^T with x quantized to 8 bits per block of 32 values and every block's
-// product taken in integers, as llama.cpp does on the CPU (its Q8_0 / Q8_1 activation blocks,
-// ggml-cpu's vec_dot_q4_0_q8_0 and friends); the exact mode is gguf_gemm.cpp.
+// product taken in integers, as llama.cpp does on the CPU (its Q8_0 activation blocks against
+// Q4_0 / Q4_1 / Q8_0 weights); the exact mode is gguf_gemm.cpp.
 //
-// Per activation block (32 values x_t): amax = max |x_t|, d = amax * (1 / 127) in float32,
+// Per activation block (32 values x_t): amax = max |x_t|, d = amax * float32(1 / 127),
 // q_t = round_half_even(x_t * (1 / d)) in [-127, 127] (all zero when d = 0). Per weight block
 // (scale dw, for Q4_1 the minimum mw, integer codes c_t: Q8_0 int8, Q4_0 nibble - 8, Q4_1
 // nibble) the block contributes
-//     (dw * d) * float(sum_t c_t q_t)              (+ mw * (d * float(sum_t q_t)) for Q4_1)
-// with the integer sum exact; only the float sum over blocks differs in order between the
-// variants. kernels/q8_reference.py computes the same arithmetic in torch.
+//     float(sum_t c_t q_t) * (dw * d)              (+ mw * (d * float(sum_t q_t)) for Q4_1)
+// with the integer sum exact, blocks summed in order; kernels/q8_reference.py is the same
+// arithmetic in torch (the variants differ from it in float rounding only: an FMA here).
+//
+// Weights are repacked once at load (gguf_q8_repack) into panels of 16 rows: per block, the
+// rows' codes interleaved 4 bytes at a time (Q4: byte j of a block holds weights j and j + 16,
+// so a 64-byte group holds 4 codes of each of 16 rows for two groups of 4 weights), then their
+// 16 fp16 scales (and minimums): the same bytes as the file's. One int32 lane per output
+// column then sums four byte products per instruction (vpdpbusd, or vpmaddubsw + vpmaddwd)
+// against 4 activation codes broadcast to every lane, so a block's integer sum needs no
+// horizontal reduction, and the per-block scaling is one convert and FMA per 8 or 16 columns.
+// The layout is the idea of llama.cpp's repacked CPU weights (ggml-cpu/repack.cpp), written
+// anew for these types and lane counts.
 //
 // Built once per tier and, where the tier allows, twice: PAGEDSERVE_Q8_VNNI set (with
 // -mavx512vnni in the avx512 tier, -mavxvnni in the avx2 one; kernels/cpu_build.py) names the
-// entry points *_vnni and multiplies with vpdpbusd (four byte products summed into an int32 lane
-// in one instruction); without it the SIMD loops use vpmaddubsw + vpmaddwd (AVX2 and AVX512BW),
-// and the generic build the portable loop. Which one runs is chosen in Python from the CPU's
-// flags (kernels/gguf_ops.py), so this object never runs on a CPU without its instructions.
-// No STL containers here: the VNNI and plain objects must not share COMDAT template code.
+// entry points *_vnni and multiplies with vpdpbusd; without it the loops use vpmaddubsw +
+// vpmaddwd (AVX2 / AVX512BW), and the generic build a portable loop. Python picks one from the
+// CPU's flags (kernels/gguf_ops.py). No STL containers here: the VNNI and plain objects must
+// not share COMDAT template code.
 //
-// vpdpbusd and vpmaddubsw multiply unsigned by signed bytes, so the weight side is made
-// unsigned: Q4 nibbles already are (Q4_0's -8 is folded into a per-lane correction of the
-// activation block, -8 * the sum of its 4 codes in the lane); Q8_0 codes get +128 with a
-// -128 correction under VNNI, and the sign trick (|c|, q * sign(c)) under maddubs, whose
-// int16 pair sums would saturate at 255 * 127 * 2.
+// vpdpbusd and vpmaddubsw multiply unsigned by signed bytes, so the weight side is unsigned:
+// Q4 nibbles are (Q4_0's -8 becomes -8 * sum(q) added to the block's integer sum); Q8_0 codes
+// get +128 with a -128 * sum(q) correction under VNNI, and the sign trick (|c|, q * sign(c))
+// under maddubs, whose int16 pair sums would saturate at 255 * 127 * 2.
 
 #include <cmath>
 #include <cstdint>
@@ -41,9 +49,10 @@
 
 namespace {
 
-constexpr int64_t QK = 32;
+constexpr int64_t QK = 32, PR = 16;  // weights per block; rows per repacked panel
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 constexpr int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
+constexpr int64_t code_bytes(int64_t t) { return t == Q8_0 ? 32 : 16; }
 constexpr float kInv127 = 1.0f / 127.0f;
 
 inline float half_to_float(const uint8_t* p) {  // IEEE half -> float (little endian)
@@ -71,19 +80,37 @@ inline float half_to_float(const uint8_t* p) {  // IEEE half -> float (little en
 #endif
 }
 
-// The quantized activations of one call: row r's block b has codes q[(r * nb + b) * 32 ..],
-// scale d[r * nb + b], d * sum(q) in s[..] (Q4_1's minimum term) and, where the weight side
-// carries an offset, the per-lane correction -off * (q[4l] + .. + q[4l + 3]) in corr[(..) * 8 + l].
+// A repacked panel's block: PR * code_bytes codes in 4-byte groups (group g: row r's code
+// bytes 4g..4g+3 at g * 64 + r * 4), then PR fp16 scales, then (Q4_1) PR fp16 minimums.
+void repack(const uint8_t* w, uint8_t* out, int64_t n, int64_t k, int64_t type) {
+  const int64_t nb = k / QK, bb = block_bytes(type), cb = code_bytes(type);
+  const int64_t panels = (n + PR - 1) / PR, row_bytes = nb * bb;
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* dst = out + (p * nb + b) * PR * bb;
+      std::memset(dst, 0, PR * bb);  // rows past n: zero codes, zero scales
+      for (int64_t r = 0; r < PR && p * PR + r < n; ++r) {
+        const uint8_t* blk = w + (p * PR + r) * row_bytes + b * bb;
+        const uint8_t* codes = blk + (type == Q4_1 ? 4 : 2);
+        for (int64_t g = 0; g < cb / 4; ++g) std::memcpy(dst + g * 64 + r * 4, codes + g * 4, 4);
+        std::memcpy(dst + PR * cb + r * 2, blk, 2);
+        if (type == Q4_1) std::memcpy(dst + PR * cb + PR * 2 + r * 2, blk + 2, 2);
+      }
+    }
+}
+
+// The quantized activations of one call, row r's block b at i = r * nb + b: codes
+// q[i * 32 ..], scale d[i], integer sum(q) in sum[i], d * sum(q) in s[i].
 struct QuantX {
   int8_t* q;
   float* d;
   float* s;
-  int32_t* corr;
+  int32_t* sum;
   int64_t nb;
 };
 
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int32_t off, QuantX& qx) {
+void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx) {
   const int64_t nb = k / QK;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 15))
   for (int64_t i = 0; i < m * nb; ++i) {
@@ -94,7 +121,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int32_t off, QuantX& qx) {
       amax = std::fmax(amax, std::fabs(v[t]));
     }
     // Through a volatile: -ffast-math would otherwise fold 1 / (amax * (1 / 127)) into
-    // 127 / amax, a different rounding than the reference's (one per block, no cost).
+    // 127 / amax, a different rounding than the reference's (once per block, no cost).
     volatile float dv = amax * kInv127;
     const float d = dv, id = d != 0.f ? 1.f / d : 0.f;
     int8_t* q = qx.q + i * QK;
@@ -106,36 +133,38 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int32_t off, QuantX& qx) {
       sum += q[t];
     }
     qx.d[i] = d;
+    qx.sum[i] = sum;
     qx.s[i] = d * static_cast<float>(sum);
-    for (int l = 0; l < 8; ++l)
-      qx.corr[i * 8 + l] = -off * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
   }
 }
 
-// The portable loop: the reference arithmetic, blocks summed in order.
+// The portable loop over the repacked weights: the reference arithmetic, blocks in order.
 template <int64_t TYPE, typename T>
 void q8_generic(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
-  const int64_t nb = qx.nb, row_bytes = nb * block_bytes(TYPE);
+  const int64_t nb = qx.nb, bb = block_bytes(TYPE), cb = code_bytes(TYPE);
 #pragma omp parallel for schedule(static) if (n * nb >= (1 << 11))
   for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = j / PR, lane = j % PR;
     for (int64_t i = 0; i < m; ++i) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + j * row_bytes + b * block_bytes(TYPE);
+        const uint8_t* blk = w + (p * nb + b) * PR * bb;
         const int8_t* q = qx.q + (i * nb + b) * QK;
-        const float dw = half_to_float(blk);
         int32_t isum = 0;
-        if constexpr (TYPE == Q8_0) {
-          const int8_t* c = reinterpret_cast<const int8_t*>(blk + 2);
-          for (int t = 0; t < QK; ++t) isum += c[t] * q[t];
-        } else {
-          const uint8_t* c = blk + (TYPE == Q4_1 ? 4 : 2);
-          const int bias = TYPE == Q4_0 ? 8 : 0;
-          for (int t = 0; t < 16; ++t)
-            isum += ((c[t] & 15) - bias) * q[t] + ((c[t] >> 4) - bias) * q[t + 16];
-        }
-        acc += (dw * qx.d[i * nb + b]) * static_cast<float>(isum);
-        if constexpr (TYPE == Q4_1) acc += half_to_float(blk + 2) * qx.s[i * nb + b];
+        for (int64_t g = 0; g < cb / 4; ++g)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t c = blk[g * 64 + lane * 4 + t];
+            if constexpr (TYPE == Q8_0) {
+              isum += static_cast<int8_t>(c) * q[4 * g + t];
+            } else {
+              const int bias = TYPE == Q4_0 ? 8 : 0;
+              isum += ((c & 15) - bias) * q[4 * g + t] + ((c >> 4) - bias) * q[16 + 4 * g + t];
+            }
+          }
+        const float dw = half_to_float(blk + PR * cb + lane * 2);
+        acc += static_cast<float>(isum) * (dw * qx.d[i * nb + b]);
+        if constexpr (TYPE == Q4_1)
+          acc += half_to_float(blk + PR * cb + PR * 2 + lane * 2) * qx.s[i * nb + b];
       }
       store(acc, out + i * n + j);
     }
@@ -143,171 +172,178 @@ void q8_generic(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n
 }
 
 #if PAGEDSERVE_SIMD
-// Four byte products per int32 lane added to acc: u unsigned, s signed bytes.
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-#if defined(PAGEDSERVE_Q8_VNNI) && defined(__AVX512VNNI__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(PAGEDSERVE_Q8_VNNI)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                 _mm256_set1_epi16(1)));
-#endif
-}
-
 #if defined(PAGEDSERVE_Q8_VNNI)
 constexpr bool kVnni = true;
 #else
 constexpr bool kVnni = false;
 #endif
 
-// Whether the activation side carries a correction for this weight type (see the top).
-constexpr bool has_corr(int64_t type) { return type == Q4_0 || (type == Q8_0 && kVnni); }
-constexpr int32_t corr_offset(int64_t type) { return type == Q4_0 ? 8 : type == Q8_0 ? 128 : 0; }
-
-// A weight block's 32 codes in the register form dot() takes (weight j in byte j).
-template <int64_t TYPE>
-inline __m256i weight_bytes(const uint8_t* blk) {
-  if constexpr (TYPE == Q8_0) {
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    return kVnni ? _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(0x80))) : c;
-  } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == Q4_1 ? 4 : 2)));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+// 8 int32 lanes (AVX2; vpdpbusd from AVX-VNNI or, in the avx512 tier, AVX512-VNNI's VL form).
+struct I8 {
+  static constexpr int L = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
   }
-}
-
-// Integer block product as int32 lanes (lane sum = the exact block sum).
-template <int64_t TYPE>
-inline __m256i block_dot(__m256i wb, const int8_t* q, const int32_t* corr) {
-  const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  const __m256i init = has_corr(TYPE)
-      ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr)) : _mm256_setzero_si256();
-  if constexpr (TYPE == Q8_0 && !kVnni)
-    return dot4(init, _mm256_sign_epi8(wb, wb), _mm256_sign_epi8(s, wb));
-  return dot4(init, wb, s);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Up to 4 rows of x against each weight row: the weight block is unpacked once for all rows;
-// reading the weights is the cost here (one pass over them per call).
-template <int64_t TYPE, int MR, typename T>
-void q8_gemv(const QuantX& qx, const uint8_t* w, T* out, int64_t n) {
-  const int64_t nb = qx.nb, row_bytes = nb * block_bytes(TYPE);
-#pragma omp parallel for schedule(static) if (n * nb >= (1 << 11))
-  for (int64_t j = 0; j < n; ++j) {
-    const uint8_t* row = w + j * row_bytes;
-    __m256 acc[MR];
-    float macc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * block_bytes(TYPE);
-      const __m256i wb = weight_bytes<TYPE>(blk);
-      const float dw = half_to_float(blk);
-      for (int r = 0; r < MR; ++r) {
-        const int64_t i = r * nb + b;
-        const __m256i v = block_dot<TYPE>(wb, qx.q + i * QK, qx.corr + i * 8);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dw * qx.d[i]), acc[r]);
-        if constexpr (TYPE == Q4_1) macc[r] += half_to_float(blk + 2) * qx.s[i];
-      }
-    }
-    for (int r = 0; r < MR; ++r) store(hsum(acc[r]) + macc[r], out + r * n + j);
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+  static I high4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+  static I flip(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static I abs8(I v) { return _mm256_sign_epi8(v, v); }
+  static I sign8(I s, I w) { return _mm256_sign_epi8(s, w); }
+  static I dot(I acc, I u, I s) {  // acc + four u8 x s8 products per lane
+#if defined(PAGEDSERVE_Q8_VNNI) && defined(__AVX512VNNI__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(PAGEDSERVE_Q8_VNNI)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
   }
-}
-
-// A panel of NR weight rows unpacked once (32 bytes and the scales per block) and reused over
-// a chunk of x rows in MR x NR register tiles.
-struct Panel {
-  __m256i* wb;  // [NR][nb]
-  float* dw;    // [NR][nb]
-  float* mw;    // [NR][nb] (Q4_1)
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset1(float v) { return _mm256_set1_ps(v); }
+  static F halves(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void storef(F v, float* p) { _mm256_storeu_ps(p, v); }
 };
 
-template <int64_t TYPE, int MR, int NR, typename T>
-inline void q8_tile(const QuantX& qx, int64_t r0, const Panel& p, T* out, int64_t ldo) {
+#if defined(PAGEDSERVE_AVX512)
+// 16 int32 lanes (AVX512BW; vpdpbusd from AVX512-VNNI).
+struct I16 {
+  static constexpr int L = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+  static I high4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+  static I flip(I v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  static I abs8(I v) { return _mm512_abs_epi8(v); }
+  static I sign8(I s, I w) {  // s where w > 0, -s where w < 0, 0 where w == 0
+    const __mmask64 neg = _mm512_movepi8_mask(w), nz = _mm512_test_epi8_mask(w, w);
+    return _mm512_maskz_mov_epi8(nz, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+  }
+  static I dot(I acc, I u, I s) {
+#if defined(PAGEDSERVE_Q8_VNNI)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
+                                                   _mm512_set1_epi16(1)));
+#endif
+  }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F halves(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void storef(F v, float* p) { _mm512_storeu_ps(p, v); }
+};
+using IV = I16;
+#else
+using IV = I8;
+#endif
+
+// Output columns [lane0, lane0 + V::L) of one panel for MR rows of x from r0: per block, the
+// codes of all lanes against 4 broadcast activation codes at a time, then one scaling.
+template <class V, int64_t TYPE, int MR, typename T>
+inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
+                       T* out, int64_t ldo, int64_t cols) {
+  constexpr int64_t bb = block_bytes(TYPE), cb = code_bytes(TYPE);
   const int64_t nb = qx.nb;
-  __m256 acc[MR][NR];
-  float macc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps(), macc[r][c] = 0.f;
+  typename V::F acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * PR * bb;
+    typename V::I ai[MR];
     for (int r = 0; r < MR; ++r) {
-      const int64_t i = (r0 + r) * nb + b;
-      const __m256 dx = _mm256_set1_ps(qx.d[i]);
-      for (int c = 0; c < NR; ++c) {
-        const __m256i v = block_dot<TYPE>(p.wb[c * nb + b], qx.q + i * QK, qx.corr + i * 8);
-        const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(v), dx);
-        acc[r][c] = _mm256_fmadd_ps(sv, _mm256_set1_ps(p.dw[c * nb + b]), acc[r][c]);
-        if constexpr (TYPE == Q4_1) macc[r][c] += p.mw[c * nb + b] * qx.s[i];
-      }
+      const int32_t s = qx.sum[(r0 + r) * nb + b];
+      ai[r] = TYPE == Q4_0 ? V::set1(-8 * s)
+              : TYPE == Q8_0 && kVnni ? V::set1(-128 * s) : V::zero();
     }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) store(hsum(acc[r][c]) + macc[r][c], out + r * ldo + c);
-}
-
-template <int64_t TYPE, int NR, typename T>
-inline void q8_tile_rows(const QuantX& qx, int64_t r0, int64_t rows, const Panel& p, T* out,
-                         int64_t ldo) {
-  constexpr int TM = 2;  // 8 accumulators + 4 weight registers of AVX2's 16
-  int64_t r = 0;
-  for (; r + TM <= rows; r += TM) q8_tile<TYPE, TM, NR>(qx, r0 + r, p, out + r * ldo, ldo);
-  if (r < rows) q8_tile<TYPE, 1, NR>(qx, r0 + r, p, out + r * ldo, ldo);
-}
-
-template <int64_t TYPE, typename T>
-void q8_gemm(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
-  constexpr int64_t NR = 4, MC = 64;
-  const int64_t nb = qx.nb, row_bytes = nb * block_bytes(TYPE), n_tiles = (n + NR - 1) / NR;
-#pragma omp parallel
-  {
-    Panel p;
-    p.wb = static_cast<__m256i*>(std::aligned_alloc(32, NR * nb * sizeof(__m256i)));
-    p.dw = static_cast<float*>(std::malloc(NR * nb * sizeof(float)));
-    p.mw = static_cast<float*>(std::malloc(NR * nb * sizeof(float)));
-    // Weight tiles outside, x chunks inside: each panel is unpacked once per call; the whole
-    // of the quantized x (a quarter of its float32 bytes) is reread from L2 per panel.
-#pragma omp for schedule(static)
-    for (int64_t tj = 0; tj < n_tiles; ++tj) {
-      const int64_t j0 = tj * NR, cols = n - j0 < NR ? n - j0 : NR;
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = w + (j0 + c) * row_bytes + b * block_bytes(TYPE);
-          p.wb[c * nb + b] = weight_bytes<TYPE>(blk);
-          p.dw[c * nb + b] = half_to_float(blk);
-          p.mw[c * nb + b] = TYPE == Q4_1 ? half_to_float(blk + 2) : 0.f;
+    if constexpr (TYPE == Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        const typename V::I w = V::load(blk + g * 64 + lane0 * 4);
+        const typename V::I u = kVnni ? V::flip(w) : V::abs8(w);
+        for (int r = 0; r < MR; ++r) {
+          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b) * QK + 4 * g);
+          ai[r] = V::dot(ai[r], u, kVnni ? xs : V::sign8(xs, w));
         }
-      for (int64_t m0 = 0; m0 < m; m0 += MC) {
-        const int64_t rows = m - m0 < MC ? m - m0 : MC;
-        T* o = out + m0 * n + j0;
-        switch (cols) {
-          case 4: q8_tile_rows<TYPE, 4>(qx, m0, rows, p, o, n); break;
-          case 3: q8_tile_rows<TYPE, 3>(qx, m0, rows, p, o, n); break;
-          case 2: q8_tile_rows<TYPE, 2>(qx, m0, rows, p, o, n); break;
-          default: q8_tile_rows<TYPE, 1>(qx, m0, rows, p, o, n); break;
+      }
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const typename V::I raw = V::load(blk + g * 64 + lane0 * 4);
+        const typename V::I lo = V::low4(raw), hi = V::high4(raw);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* q = qx.q + ((r0 + r) * nb + b) * QK;
+          ai[r] = V::dot(ai[r], lo, V::bcast(q + 4 * g));
+          ai[r] = V::dot(ai[r], hi, V::bcast(q + 16 + 4 * g));
         }
       }
     }
-    std::free(p.wb);
-    std::free(p.dw);
-    std::free(p.mw);
+    const typename V::F dw = V::halves(blk + PR * cb + lane0 * 2);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = V::fmadd(V::cvt(ai[r]), V::mul(dw, V::fset1(qx.d[(r0 + r) * nb + b])), acc[r]);
+    if constexpr (TYPE == Q4_1) {
+      const typename V::F mw = V::halves(blk + PR * cb + PR * 2 + lane0 * 2);
+      for (int r = 0; r < MR; ++r)
+        acc[r] = V::fmadd(mw, V::fset1(qx.s[(r0 + r) * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    T* o = out + (r0 + r) * ldo + lane0;
+    if constexpr (sizeof(T) == 4) {
+      if (cols >= V::L) {
+        V::storef(acc[r], reinterpret_cast<float*>(o));
+        continue;
+      }
+    }
+    float tmp[V::L];
+    V::storef(acc[r], tmp);
+    for (int64_t c = 0; c < cols && c < V::L; ++c) store(tmp[c], o + c);
   }
 }
 
-template <int64_t TYPE, typename T>
+template <class V, int64_t TYPE, typename T>
 void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
-  switch (m) {
-    case 1: q8_gemv<TYPE, 1>(qx, w, out, n); return;
-    case 2: q8_gemv<TYPE, 2>(qx, w, out, n); return;
-    case 3: q8_gemv<TYPE, 3>(qx, w, out, n); return;
-    case 4: q8_gemv<TYPE, 4>(qx, w, out, n); return;
-    default: q8_gemm<TYPE>(qx, w, out, m, n);
+  constexpr int MR = 4;
+  const int64_t nb = qx.nb, panels = (n + PR - 1) / PR, panel_bytes = nb * PR * block_bytes(TYPE);
+  // Panels outside (each panel's weights, 9-27 KB for SmolLM2, stay in L1/L2 over all rows of
+  // x), rows of x inside in tiles of 4; the quantized x is a quarter of its float32 bytes.
+#pragma omp parallel for schedule(static) if (n * nb * (m < 4 ? m : 4) >= (1 << 11))
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* panel = w + p * panel_bytes;
+    for (int64_t lane0 = 0; lane0 < PR; lane0 += V::L) {
+      const int64_t j0 = p * PR + lane0, cols = n - j0;
+      if (cols <= 0) break;
+      T* o = out + p * PR;
+      int64_t r = 0;
+      for (; r + MR <= m; r += MR) panel_tile<V, TYPE, MR>(qx, r, panel, lane0, o, n, cols);
+      switch (m - r) {
+        case 3: panel_tile<V, TYPE, 3>(qx, r, panel, lane0, o, n, cols); break;
+        case 2: panel_tile<V, TYPE, 2>(qx, r, panel, lane0, o, n, cols); break;
+        case 1: panel_tile<V, TYPE, 1>(qx, r, panel, lane0, o, n, cols); break;
+        default: break;
+      }
+    }
   }
 }
 #endif
@@ -319,47 +355,46 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
   QuantX qx;
   qx.nb = k / QK;
   const int64_t blocks = m * qx.nb;
-  qx.q = static_cast<int8_t*>(std::malloc(blocks * QK + 32));
+  qx.q = static_cast<int8_t*>(std::malloc(blocks * QK + 64));
   qx.d = static_cast<float*>(std::malloc(blocks * sizeof(float) + 4));
   qx.s = static_cast<float*>(std::malloc(blocks * sizeof(float) + 4));
-  qx.corr = static_cast<int32_t*>(std::malloc(blocks * 8 * sizeof(int32_t) + 32));
-  if (!qx.q || !qx.d || !qx.s || !qx.corr) {
-    std::free(qx.q), std::free(qx.d), std::free(qx.s), std::free(qx.corr);
-    return -2;
-  }
+  qx.sum = static_cast<int32_t*>(std::malloc(blocks * sizeof(int32_t) + 4));
+  int rc = 0;
+  if (!qx.q || !qx.d || !qx.s || !qx.sum) {
+    rc = -2;
+  } else {
+    quantize_rows(x, m, k, qx);
 #if PAGEDSERVE_SIMD
-  const int32_t off = generic ? 0 : has_corr(type) ? corr_offset(type) : 0;
+    if (!generic) {
+      switch (type) {
+        case Q4_0: q8_simd<IV, Q4_0>(qx, w, out, m, n); break;
+        case Q4_1: q8_simd<IV, Q4_1>(qx, w, out, m, n); break;
+        default: q8_simd<IV, Q8_0>(qx, w, out, m, n); break;
+      }
+    }
 #else
-  const int32_t off = 0;
+    generic = 1;
 #endif
-  quantize_rows(x, m, k, off, qx);
-#if PAGEDSERVE_SIMD
-  if (!generic) {
-    switch (type) {
-      case Q4_0: q8_simd<Q4_0>(qx, w, out, m, n); break;
-      case Q4_1: q8_simd<Q4_1>(qx, w, out, m, n); break;
-      default: q8_simd<Q8_0>(qx, w, out, m, n); break;
+    if (generic) {
+      switch (type) {
+        case Q4_0: q8_generic<Q4_0>(qx, w, out, m, n); break;
+        case Q4_1: q8_generic<Q4_1>(qx, w, out, m, n); break;
+        default: q8_generic<Q8_0>(qx, w, out, m, n); break;
+      }
     }
   }
-#endif
-  if (generic || !PAGEDSERVE_SIMD) {
-    switch (type) {
-      case Q4_0: q8_generic<Q4_0>(qx, w, out, m, n); break;
-      case Q4_1: q8_generic<Q4_1>(qx, w, out, m, n); break;
-      default: q8_generic<Q8_0>(qx, w, out, m, n); break;
-    }
-  }
-  std::free(qx.q), std::free(qx.d), std::free(qx.s), std::free(qx.corr);
-  return 0;
+  std::free(qx.q), std::free(qx.d), std::free(qx.s), std::free(qx.sum);
+  return rc;
 }
 
 }  // namespace
 
 extern "C" {
 
-// x [m, k] contiguous (float32 or bfloat16), w [n, k / 32 blocks] of GGML type ``type``,
-// out [m, n] in x's dtype, k a multiple of 32. ``generic``: the portable loop (tests). Returns
-// 0, -1 for an unknown type, -2 when the activation buffers cannot be allocated.
+// x [m, k] contiguous (float32 or bfloat16), w the repacked weights of ``gguf_q8_repack``
+// ([ceil(n / 16) * 16, k / 32 blocks] bytes of GGML type ``type``), out [m, n] in x's dtype,
+// k a multiple of 32. ``generic``: the portable loop (tests). Returns 0, -1 for an unknown
+// type, -2 when the activation buffers cannot be allocated.
 int Q8_ENTRY(gguf_q8_linear_f32)(const float* x, const uint8_t* w, float* out, int64_t m,
                                  int64_t n, int64_t k, int64_t type, int64_t generic) {
   return q8_linear(x, w, out, m, n, k, type, generic);
@@ -370,5 +405,13 @@ int Q8_ENTRY(gguf_q8_linear_bf16)(const uint16_t* x, const uint8_t* w, uint16_t*
                                   int64_t generic) {
   return q8_linear(x, w, out, m, n, k, type, generic);
 }
+
+#if !defined(PAGEDSERVE_Q8_VNNI)
+// GGUF rows w [n, k / 32 blocks] of ``type`` into the panels the int8 kernel reads, out
+// [ceil(n / 16) * 16 * k / 32 * block_bytes] bytes (the same layout for every variant).
+void gguf_q8_repack(const uint8_t* w, uint8_t* out, int64_t n, int64_t k, int64_t type) {
+  repack(w, out, n, k, type);
+}
+#endif
 
 }  // extern "C"
