@@ -68,19 +68,22 @@ def _layers(tensors: dict) -> dict:
         dense.weight.data = weight.bfloat16()
         packed = cpu_gemm.PackedLinear(dense) if cpu_gemm.can_pack(
             torch.bfloat16, torch.device("cpu")) else None
-        out[name] = (blocks, int(ts[0].tensor_type), weight, packed)
+        qtype = int(ts[0].tensor_type)
+        repacked = gguf_ops.gguf_q8_repack(blocks, qtype, weight.shape[1])
+        out[name] = (blocks, qtype, weight, packed, repacked)
     return out
 
 
 def _paths(layer, x: torch.Tensor) -> dict:
-    blocks, qtype, weight, packed = layer
+    blocks, qtype, weight, packed, repacked = layer
+    n = weight.shape[0]
     paths = {"exact": lambda: gguf_ops.gguf_linear(x, blocks, qtype),
-             "int8": lambda: gguf_ops.gguf_q8_linear(x, blocks, qtype),
+             "int8": lambda: gguf_ops.gguf_q8_linear(x, repacked, qtype, n),
              "dense_f32": lambda: torch.nn.functional.linear(x, weight)}
     if packed is not None:
         xb = x.bfloat16()
         paths["exact_bf16"] = lambda: gguf_ops.gguf_linear(xb, blocks, qtype)
-        paths["int8_bf16"] = lambda: gguf_ops.gguf_q8_linear(xb, blocks, qtype)
+        paths["int8_bf16"] = lambda: gguf_ops.gguf_q8_linear(xb, repacked, qtype, n)
         paths["dense_bf16"] = lambda: packed(xb)
     return paths
 
