@@ -30,12 +30,20 @@ ALL = sys.maxsize
 # A bfloat16 model's exact mode: batches above this go to the dense copy (oneDNN bfloat16).
 BF16_MAX_KERNEL_ROWS = 4
 
-# (tier, dtype) -> bands (max rows, path), from loadtest/RESULTS.md "int8 activations"
-# (AMD EPYC Zen 5, 2 cores, shared and loaded; medians of alternating runs, 1 thread).
+# (tier, dtype) -> bands (max rows, path), from loadtest/RESULTS.md "int8 activations": AMD
+# EPYC Zen 5 (AVX-512, VNNI, AVX512-BF16), 2 cores, shared and loaded, 2026-12-01; medians of 5
+# alternating runs of bench_gguf_linear.py, 1 thread, SmolLM2's fused shapes at 1-512 rows,
+# compared per step (30 decoder layers + the lm_head).
+# - avx2 tier, float32 (no bfloat16 units there): int8 2.3-3.3x the exact kernel per decoder
+#   layer at every row count, and faster than float32 oneDNN at every one;
+# - avx512, float32: int8 2.2-3.1x exact at every row count (one 4.6x outlier at 16);
+# - avx512, bfloat16 activations: int8 1.3-2.7x oneDNN's packed bfloat16 up to 16 rows, level
+#   at 32-64 rows, level or behind from 128 (0.77-1.0x): dense from 33 rows, where ties go to
+#   the path the exact mode also takes.
 AUTO_BANDS: dict[tuple[str, str], tuple[tuple[int, str], ...]] = {
     ("avx2", "float32"): ((ALL, "int8"),),
     ("avx512", "float32"): ((ALL, "int8"),),
-    ("avx512", "bfloat16"): ((ALL, "int8"),),
+    ("avx512", "bfloat16"): ((32, "int8"), (ALL, "dense")),
 }
 
 

@@ -8,8 +8,9 @@ Tiers, lowest first (``ISAS``):
 - ``generic``: the portable loops, no ``-m`` flags (any CPU, non-x86 included);
 - ``avx2``: AVX2 + FMA + F16C, 8 float32 lanes (Intel Haswell and later, AMD Zen 1-3, most
   cloud instances);
-- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The kernels use no BF16 or AMX instructions and VNNI only in
-  separately built entry points (``VNNI_FLAGS``), so no tier needs them;
+- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The
+  kernels use no BF16 or AMX instructions and VNNI only in separately built entry points
+  (``VNNI_FLAGS``), so no tier needs them;
   ``amx`` is accepted as a cap and means no cap below ``avx512``.
 
 ``PAGEDSERVE_CPU_ISA=generic|avx2|avx512|amx`` caps the tier, so any machine can measure the

@@ -74,16 +74,16 @@ def _layers(tensors: dict) -> dict:
     return out
 
 
-def _paths(layer, x: torch.Tensor) -> dict:
+def _paths(layer, x: torch.Tensor, variant: str | None) -> dict:
     blocks, qtype, weight, packed, repacked = layer
     n = weight.shape[0]
     paths = {"exact": lambda: gguf_ops.gguf_linear(x, blocks, qtype),
-             "int8": lambda: gguf_ops.gguf_q8_linear(x, repacked, qtype, n),
+             "int8": lambda: gguf_ops.gguf_q8_linear(x, repacked, qtype, n, variant),
              "dense_f32": lambda: torch.nn.functional.linear(x, weight)}
     if packed is not None:
         xb = x.bfloat16()
         paths["exact_bf16"] = lambda: gguf_ops.gguf_linear(xb, blocks, qtype)
-        paths["int8_bf16"] = lambda: gguf_ops.gguf_q8_linear(xb, repacked, qtype, n)
+        paths["int8_bf16"] = lambda: gguf_ops.gguf_q8_linear(xb, repacked, qtype, n, variant)
         paths["dense_bf16"] = lambda: packed(xb)
     return paths
 
@@ -95,24 +95,28 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.05, help="per timing slice")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="0: what the server takes")
+    p.add_argument("--int8-variant", default=None, choices=gguf_ops.Q8_VARIANTS,
+                   help="simd: the maddubs loop a CPU without VNNI runs (default: the fastest)")
     args = p.parse_args()
     torch.set_num_threads(args.threads or cpu_threads())
     layers = _layers({t.name: t for t in GGUFReader(str(loader.embedded_gguf_path())).tensors})
     tier, variants = cpu_ops.isa(), gguf_ops.q8_variants()
+    variant = args.int8_variant or variants[-1]
     print(f"# tier {tier}, torch {torch.backends.cpu.get_cpu_capability()}, int8 variant "
-          f"{variants[-1]}, {torch.get_num_threads()} threads", flush=True)
+          f"{variant}, {torch.get_num_threads()} threads", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         times: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.repeats):  # alternate: every path once per repeat
             for name, layer in layers.items():
                 x = torch.randn(rows, layer[2].shape[1])
-                for path, fn in _paths(layer, x).items():
+                for path, fn in _paths(layer, x, variant).items():
                     times.setdefault((name, path), []).append(_ms(fn, args.seconds))
         med = {key: statistics.median(v) for key, v in times.items()}
         paths = sorted({path for _, path in med})
         for path in paths:
             body = sum(med[(n, path)] for n in SHAPES if n != "lm_head")
-            row = {"tier": tier, "rows": rows, "path": path, "layer_ms": round(body, 4),
+            row = {"tier": tier, "int8_variant": variant, "rows": rows, "path": path,
+                   "layer_ms": round(body, 4),
                    "lm_head_ms": round(med[("lm_head", path)], 4),
                    **{n: round(med[(n, path)], 4) for n in SHAPES}}
             if args.json:
