@@ -93,6 +93,28 @@ def q8_variants() -> tuple[str, ...]:
 
 
 Q8_PANEL_ROWS = 16  # rows per repacked panel (csrc/gguf_q8_gemm.cpp)
+_Q8_FUNCTIONS: dict[tuple, object] = {}
+
+
+def _q8_function(dtype: torch.dtype, variant: str | None):
+    """The ctypes entry point for ``dtype`` and ``variant`` on the loaded tier, checked once
+    and cached (a decode step calls it ~120 times: the checks cost more than a small product)."""
+    lib = load()
+    key = (id(lib), dtype, variant)
+    fn = _Q8_FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
+    variants = q8_variants()
+    chosen = variant or (variants[-1] if variants else "generic")
+    if chosen not in Q8_VARIANTS:
+        raise ValueError(f"int8 variant {chosen!r} is not one of {', '.join(Q8_VARIANTS)}")
+    if chosen not in variants:
+        raise ValueError(f"int8 variant {chosen!r} does not run here (tier {cpu_ops.isa()}, "
+                         f"runs {', '.join(variants) or 'none'})")
+    _kernel("gguf_q8_linear", dtype)  # the library and dtype checks
+    fn = getattr(lib, f"gguf_q8_linear_{_SUFFIX[dtype]}{'_vnni' if chosen == 'vnni' else ''}")
+    _Q8_FUNCTIONS[key] = fn
+    return fn
 
 
 def gguf_q8_repack(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
@@ -128,15 +150,7 @@ def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_featur
         ValueError: unsupported type, dtype or variant, or shapes that do not match.
         RuntimeError: the library could not be built, or its buffers not allocated.
     """
-    variants = q8_variants()
-    variant = variant or (variants[-1] if variants else "generic")
-    if variant not in Q8_VARIANTS:
-        raise ValueError(f"int8 variant {variant!r} is not one of {', '.join(Q8_VARIANTS)}")
-    if variant not in variants:
-        raise ValueError(f"int8 variant {variant!r} does not run here (tier {cpu_ops.isa()}, "
-                         f"runs {', '.join(variants) or 'none'})")
-    _kernel("gguf_q8_linear", x.dtype)  # the library and dtype checks
-    name = f"gguf_q8_linear_{_SUFFIX[x.dtype]}{'_vnni' if variant == 'vnni' else ''}"
+    fn = _q8_function(x.dtype, variant)
     k = x.shape[-1]
     _check_gguf(packed, qtype, k)
     if packed.shape[0] != -(-out_features // Q8_PANEL_ROWS) * Q8_PANEL_ROWS:
@@ -147,8 +161,8 @@ def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_featur
         out = torch.empty(shape, dtype=x.dtype)
     elif out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be contiguous {x.dtype} {shape}")
-    rc = getattr(load(), name)(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), shape[0],
-                               shape[1], k, qtype, int(variant == "generic"))
+    rc = fn(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), shape[0], shape[1], k, qtype,
+            int(variant == "generic"))
     if rc != 0:
         raise RuntimeError(f"gguf_q8_linear failed ({rc}: -2 = out of memory)")
     return out.view(*x.shape[:-1], shape[1])
