@@ -55,6 +55,14 @@ class ModelConfig:
         "choices": ("gguf", "none"), "aliases": ("-q",),
         "default_text": "gguf for a .gguf model on the CPU, else none",
     })
+    cpu_linear_mode: str = field(default="auto", metadata={
+        "help": "GGUF linears on the CPU: exact = float32 products of the de-quantized weights "
+                "(greedy output equals transformers'); int8 = activations quantized to 8 bits "
+                "per 32 values, integer products (faster, output differs: README); auto = "
+                "the faster per batch size as measured for this CPU tier, exact when --dtype "
+                "float32 is given",
+        "choices": ("exact", "int8", "auto"),
+    })
     seed: int = field(default=0, metadata={"help": "global seed for requests without their own"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length in tokens (prompt + output); 4k = 4000, 4K = 4096",

@@ -1,5 +1,6 @@
-"""The runner's two start-up choices that depend on the machine: the compute dtype
-(``--dtype auto``) and whether a GGUF file's quantized blocks are kept (``--quantization``).
+"""The runner's start-up choices that depend on the machine: the compute dtype
+(``--dtype auto``), whether a GGUF file's quantized blocks are kept (``--quantization``) and
+which product their layers run per batch size (``--cpu-linear-mode``, ``linear_bands.py``).
 
 Apart from ``model_runner`` so the rules read in one place; ``--dtype auto`` picks float32 on a
 CPU without bfloat16 units because torch emulates bfloat16 there (issue 20's measurements,
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.gpu import gguf_linear, loader
-from pagedserve.kernels import cpu_isa
+from pagedserve.gpu import gguf_linear, linear_bands, loader
+from pagedserve.gpu.config import ModelConfig
+from pagedserve.kernels import cpu_isa, cpu_ops
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,3 +59,10 @@ def pick_quantization(name: str | None, resolved: loader.ResolvedModel,
             f"and --dtype float32 or bfloat16 (here: {device.type}, "
             f"{str(dtype).removeprefix('torch.')})")
     return "gguf" if can else None
+
+
+def pick_linear_plan(mc: ModelConfig, dtype: torch.dtype) -> linear_bands.LinearPlan:
+    """``--cpu-linear-mode`` resolved for the kernels' ISA tier and the model's ``dtype``
+    (``linear_bands.plan_for``: ``auto`` with an explicit ``--dtype float32`` is exact).
+    Raises ``ValueError`` for an unknown mode."""
+    return linear_bands.plan_for(mc.cpu_linear_mode, mc.dtype, dtype, cpu_ops.isa())

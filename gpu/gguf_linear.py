@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.gpu import linear_bands
 from pagedserve.gpu.parallel.gguf_shard import (
     CopiedBytes,
     cached_rank_blocks,
@@ -50,8 +51,9 @@ _LAYER_TENSORS = {
 _PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
 # Where load_blocks caches a file's blocks; the version changes with what read_blocks returns.
 BLOCKS_CACHE = "gguf_blocks-v1.safetensors"
-# A bfloat16 model's batches of more rows than this go to the de-quantized copy (oneDNN).
-BF16_MAX_KERNEL_ROWS = 4
+# A bfloat16 model's batches of more rows than this go to the de-quantized copy (oneDNN) in
+# the exact mode.
+BF16_MAX_KERNEL_ROWS = linear_bands.BF16_MAX_KERNEL_ROWS
 # llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -62,46 +64,60 @@ def supported(device: torch.device) -> bool:
 
 
 class GGUFLinear(nn.Module):
-    """``y = x @ W.T + b`` reading ``W`` as GGUF blocks for small batches.
-
-    Up to ``max_rows`` rows (decode steps of a few sequences, where reading the weights is the
-    cost) go through ``gguf_ops.gguf_linear``; in a bfloat16 model more rows go to ``dense``, the
-    de-quantized layer, because there the multiply-adds are the cost and oneDNN's bfloat16
-    kernels do them several times faster than our float32 ones (``loadtest/RESULTS.md``).
+    """``y = x @ W.T + b`` reading ``W`` as GGUF blocks, by the path ``plan`` names for the
+    call's row count (``linear_bands.py``): ``exact`` through ``gguf_ops.gguf_linear``,
+    ``int8`` through ``gguf_ops.gguf_q8_linear`` (on a repacked copy of the blocks), ``dense``
+    through the de-quantized layer (oneDNN; several times faster than our float32 kernel above
+    4 rows in a bfloat16 model, ``loadtest/RESULTS.md``).
 
     Args:
-        dense: the loaded ``nn.Linear``: its bias is used on both paths; its weight is kept
-            only where it serves large batches (bfloat16).
+        dense: the loaded ``nn.Linear``: its bias is used on every path; its weight is kept
+            only where a band runs dense (a float32 model's exact mode never does: one copy of
+            the weights, the blocks; 0.43 GB of SmolLM2-135M's float32 linears freed).
         qweight: ``[out, in / 32 * block_bytes]`` uint8, rows in transformers' order.
         qtype: GGML type id (``gguf_ops.GGUF_BLOCK_BYTES``).
+        plan: the bands; None = ``linear_bands.exact_plan`` for the weight's dtype (today's).
 
-    Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype; both paths
-    multiply the same de-quantized values (float32 here, the model's dtype in ``dense``).
+    Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype.
     """
 
-    def __init__(self, dense: nn.Linear, qweight: torch.Tensor, qtype: int):
+    def __init__(self, dense: nn.Linear, qweight: torch.Tensor, qtype: int,
+                 plan: linear_bands.LinearPlan | None = None):
         super().__init__()
-        # Against float32 ``F.linear`` our kernel is faster at few rows and even at 512
-        # (``loadtest/bench_gguf_linear.py``, RESULTS.md): a float32 model never goes dense, so
-        # its de-quantized weight is not kept (one copy of the weights: the blocks; 0.43 GB of
-        # SmolLM2-135M's float32 linears freed). A bfloat16 model keeps it: above 4 rows
-        # oneDNN's bfloat16 kernels are several times faster than ours, and dropping it would
-        # slow every prefill and large decode batch.
-        self.max_rows = (sys.maxsize if dense.weight.dtype == torch.float32
-                         else BF16_MAX_KERNEL_ROWS)
-        self.dense = dense if self.max_rows != sys.maxsize else None
+        self.plan = plan or linear_bands.exact_plan(dense.weight.dtype)
+        bands = self.plan.bands
+        # The rows up to which the blocks are read (above: dense), as before the plan.
+        self.max_rows = next((bands[i - 1][0] for i, (_, p) in enumerate(bands)
+                              if p == "dense" and i > 0), sys.maxsize)
+        self.dense = dense if self.plan.uses("dense") else None
         self.bias = dense.bias
         self.qweight, self.qtype = qweight.contiguous(), qtype
         self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.packed = (gguf_ops.gguf_q8_repack(self.qweight, qtype, self.in_features)
+                       if self.plan.uses("int8") else None)
+        self._only = bands[0][1] if len(bands) == 1 else None  # one band: no lookup per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.numel() > self.max_rows * self.in_features:
+        path = self._only or self.plan.path_for(x.numel() // self.in_features)
+        if path == "dense":
             return self.dense(x)
-        y = gguf_ops.gguf_linear(x, self.qweight, self.qtype)
+        if path == "int8":
+            y = gguf_ops.gguf_q8_linear(x, self.packed, self.qtype, self.out_features)
+        else:
+            y = gguf_ops.gguf_linear(x, self.qweight, self.qtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"qtype={self.qtype}, max_rows={self.max_rows}"
+        return f"qtype={self.qtype}, bands={self.plan.describe()}"
+
+
+def linear_paths(model: nn.Module) -> list[dict] | None:
+    """The bands the model's GGUF layers run (``/admin/stats``), None when none are kept."""
+    layer = next((m for m in model.modules() if isinstance(m, GGUFLinear)), None)
+    if layer is None:
+        return None
+    return [{"mode": layer.plan.mode, "tier": layer.plan.tier, **band}
+            for band in layer.plan.describe()]
 
 
 def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -208,12 +224,14 @@ def load_blocks(gguf_file: Path, config: PretrainedConfig, cache_dir: Path | Non
 
 
 def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig,
-                   cache_dir: Path | None = None, layout: RankLayout | None = None) -> int:
+                   cache_dir: Path | None = None, layout: RankLayout | None = None,
+                   plan: linear_bands.LinearPlan | None = None) -> int:
     """Swap ``model``'s linears for ``GGUFLinear``s holding ``gguf_file``'s blocks, in place
     (``load_blocks``; ``cache_dir`` as there). ``layout``: a tensor/pipeline-parallel rank's
     ``RankLayout``, whose share of the blocks it keeps (``parallel/gguf_shard.py``; raises
-    ``ValueError`` where a row-parallel split would cut a block). Returns how many modules
-    were swapped."""
+    ``ValueError`` where a row-parallel split would cut a block). ``plan``: the paths per batch
+    band (``linear_bands.plan_for``; None: the exact mode). Returns how many modules were
+    swapped."""
     copied = CopiedBytes()
     blocks, kept = load_blocks(gguf_file, config, cache_dir, layout, copied)
     log.info("gguf_blocks_read", bytes=copied.total,
@@ -226,8 +244,12 @@ def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig,
             kept.append(target)
             continue
         parent, _, leaf = target.rpartition(".")
-        setattr(modules[parent] if parent else model, leaf, GGUFLinear(module, qweight, qtype))
+        layer = GGUFLinear(module, qweight, qtype, plan)
+        setattr(modules[parent] if parent else model, leaf, layer)
         swapped += 1
+    if plan is not None:
+        log.info("gguf_linear_paths", cpu_linear_mode=plan.mode, tier=plan.tier,
+                 bands=plan.describe())
     if kept:
         log.info("gguf_linears_dequantized", modules=len(kept), first=kept[0],
                  reason="type not Q4_0/Q4_1/Q8_0 or mixed within a fused module")

@@ -19,7 +19,7 @@ from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.draft_model import DraftModel
-from pagedserve.gpu.dtype_choice import pick_dtype, pick_quantization
+from pagedserve.gpu.dtype_choice import pick_dtype, pick_linear_plan, pick_quantization
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
@@ -55,6 +55,7 @@ class ModelInfo:
     kv_cache_bytes: int = 0  # the K and V tensors allocated (a draft model's included)
     # Tensor/pipeline parallel: per rank, what it holds and its pid (``RankLayout.describe``).
     parallel_layout: list[dict] | None = None
+    cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
 
 
 class ModelRunner:
@@ -149,7 +150,8 @@ class ModelRunner:
             self.device, self.dtype)
         if self.quantization == "gguf":
             swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
-                                                 cache_dir=resolved.path, layout=layout)
+                                                 cache_dir=resolved.path, layout=layout,
+                                                 plan=pick_linear_plan(mc, self.dtype))
             log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             m.qweight.numel() for m in model.modules() if isinstance(m, gguf_linear.GGUFLinear))
@@ -202,6 +204,7 @@ class ModelRunner:
             vocab_size=self.hf_config.vocab_size,
             attention_backend=self.attn_backend.name,
             quantization=self.quantization or "none",
+            cpu_linear_paths=gguf_linear.linear_paths(self.model),
             source=str(resolved.gguf_file or resolved.path),
             kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
             + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),

@@ -17,7 +17,11 @@ from pagedserve.kernels import cpu_isa
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "decode_attention.cpp",
-                                    "prefill_attention.cpp", "elementwise.cpp", "gguf_gemm.cpp")]
+                                    "prefill_attention.cpp", "elementwise.cpp", "gguf_gemm.cpp",
+                                    "gguf_q8_gemm.cpp")]
+# Compiled a second time with the tier's VNNI flags (cpu_isa.VNNI_FLAGS) where it has them:
+# its entry points are named *_vnni and called only when the CPU reports the flag.
+VNNI_SOURCE = CSRC / "gguf_q8_gemm.cpp"
 HEADERS = [CSRC / "convert.h", CSRC / "simd.h"]  # part of the build's cache key
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
@@ -31,9 +35,11 @@ def _cache_dir() -> Path:
 def build(compiler: str, isa: str) -> Path:
     """The library of tier ``isa``, compiled with ``compiler`` unless already cached."""
     flags = [*cpu_isa.COMMON_FLAGS, *cpu_isa.ISA_FLAGS[isa]]
+    vnni_flags = [*flags, *cpu_isa.VNNI_FLAGS[isa], "-DPAGEDSERVE_Q8_VNNI"] if isa in (
+        cpu_isa.VNNI_FLAGS) else None
     digest = hashlib.sha256(
         b"".join(s.read_bytes() for s in [*SOURCES, *HEADERS])
-        + " ".join([compiler, *flags, *LINK_FLAGS]).encode()
+        + " ".join([compiler, *flags, *LINK_FLAGS, *(vnni_flags or [])]).encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_ops-{isa}-{digest}.so"
     if out.exists():
@@ -47,11 +53,17 @@ def build(compiler: str, isa: str) -> Path:
         for source, obj in zip(SOURCES, objs, strict=True):
             subprocess.run([compiler, *flags, "-c", str(source), "-o", obj],
                            check=True, capture_output=True, text=True, timeout=300)
+        vnni_obj = f"{tmp[: -len('.so')]}-vnni.o"
+        # A compiler without the VNNI flag builds the tier without those entry points.
+        if vnni_flags is not None and subprocess.run(
+                [compiler, *vnni_flags, "-c", str(VNNI_SOURCE), "-o", vnni_obj],
+                capture_output=True, text=True, timeout=300).returncode == 0:
+            objs.append(vnni_obj)
         subprocess.run([compiler, *LINK_FLAGS, *objs, "-o", tmp],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
-        for path in (tmp, *objs):
+        for path in {tmp, *objs, f"{tmp[: -len('.so')]}-vnni.o"}:
             if os.path.exists(path):
                 os.unlink(path)
     return out
@@ -79,6 +91,12 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.cpu_ops_isa.argtypes, lib.cpu_ops_isa.restype = [], ctypes.c_char_p
     lib.cpu_ops_has_prefill.argtypes, lib.cpu_ops_has_prefill.restype = [], ctypes.c_int
     lib.gguf_dequantize.argtypes, lib.gguf_dequantize.restype = [ptr] * 2 + [i64] * 3, None
+    lib.gguf_q8_repack.argtypes, lib.gguf_q8_repack.restype = [ptr] * 2 + [i64] * 3, None
+    for variant in ("", "_vnni"):
+        for suffix in ("f32", "bf16"):
+            fn = getattr(lib, f"gguf_q8_linear_{suffix}{variant}", None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ptr] * 3 + [i64] * 5, ctypes.c_int
 
 
 def load_isa(isa: str) -> ctypes.CDLL:

@@ -8,7 +8,9 @@ Tiers, lowest first (``ISAS``):
 - ``generic``: the portable loops, no ``-m`` flags (any CPU, non-x86 included);
 - ``avx2``: AVX2 + FMA + F16C, 8 float32 lanes (Intel Haswell and later, AMD Zen 1-3, most
   cloud instances);
-- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The kernels use no BF16, VNNI or AMX instructions, so no tier needs them;
+- ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The
+  kernels use no BF16 or AMX instructions and VNNI only in separately built entry points
+  (``VNNI_FLAGS``), so no tier needs them;
   ``amx`` is accepted as a cap and means no cap below ``avx512``.
 
 ``PAGEDSERVE_CPU_ISA=generic|avx2|avx512|amx`` caps the tier, so any machine can measure the
@@ -47,6 +49,13 @@ ISA_FLAGS = {
     "avx512": ["-mavx", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq",
                "-mavx512vl", "-mprefer-vector-width=512"],
 }
+
+# The int8-activation GGUF kernel (gguf_q8_gemm.cpp) is also built with these, into entry points
+# of their own that run only where the CPU reports VNNI_CPU_FLAG (vpdpbusd: AVX-VNNI's VEX form
+# on Intel Alder Lake+ / AMD Zen 5, AVX512-VNNI on Intel Cascade Lake+ / AMD Zen 4+); the
+# tiers themselves do not require it.
+VNNI_FLAGS = {"avx2": ["-mavxvnni"], "avx512": ["-mavx512vnni"]}
+VNNI_CPU_FLAG = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}
 
 # What each cap tells torch (ATen's kernels, oneDNN, MKL), so it runs the same tier as ours.
 TORCH_ENV = {

@@ -1,13 +1,16 @@
 """Products with a GGUF file's quantized blocks (``kernels/csrc/gguf_gemm.cpp``, built into the
 ``cpu_ops`` library): ``gguf_linear`` multiplies Q4_0/Q4_1/Q8_0 rows in place, ``gguf_dequantize``
-expands them (tests and checks). Used by ``gpu/gguf_linear.py``.
+expands them (tests and checks). ``gguf_q8_linear`` is the int8-activation mode
+(``csrc/gguf_q8_gemm.cpp``, reference ``kernels/q8_reference.py``). Used by
+``gpu/gguf_linear.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_ops import _kernel, error, load
+from pagedserve.kernels import cpu_isa, cpu_ops
+from pagedserve.kernels.cpu_ops import _SUFFIX, _kernel, error, load
 
 # GGML type id -> bytes per block of 32 weights (ggml-common.h): the formats gguf_linear reads.
 GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
@@ -65,3 +68,101 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torc
     out = torch.empty((qweight.shape[0], in_features), dtype=torch.float32)
     lib.gguf_dequantize(qweight.data_ptr(), out.data_ptr(), qweight.shape[0], in_features, qtype)
     return out
+
+
+# The int8 kernel's loops: the portable one, the tier's maddubs/madd loop, its vpdpbusd one.
+Q8_VARIANTS = ("generic", "simd", "vnni")
+_VARIANTS: dict[tuple[int, str | None], tuple[str, ...]] = {}
+
+
+def q8_variants() -> tuple[str, ...]:
+    """The int8 kernel's variants the loaded tier and this CPU run, slowest first (``generic``
+    only in the generic tier; ``vnni`` where the tier was built with it and the CPU reports
+    ``cpu_isa.VNNI_CPU_FLAG``)."""
+    lib, tier = load(), cpu_ops.isa()
+    if lib is None:
+        return ()
+    key = (id(lib), tier)
+    if key not in _VARIANTS:  # cached: reading /proc/cpuinfo per call costs more than a gemv
+        out = ["generic"] if tier == "generic" else ["generic", "simd"]
+        if (hasattr(lib, "gguf_q8_linear_f32_vnni")
+                and cpu_isa.VNNI_CPU_FLAG.get(tier or "") in cpu_isa.cpu_flags()):
+            out.append("vnni")
+        _VARIANTS[key] = tuple(out)
+    return _VARIANTS[key]
+
+
+Q8_PANEL_ROWS = 16  # rows per repacked panel (csrc/gguf_q8_gemm.cpp)
+_Q8_FUNCTIONS: dict[tuple, object] = {}
+
+
+def _q8_function(dtype: torch.dtype, variant: str | None):
+    """The ctypes entry point for ``dtype`` and ``variant`` on the loaded tier, checked once
+    and cached (a decode step calls it ~120 times: the checks cost more than a small product)."""
+    lib = load()
+    key = (id(lib), dtype, variant)
+    fn = _Q8_FUNCTIONS.get(key)
+    if fn is not None:
+        return fn
+    variants = q8_variants()
+    chosen = variant or (variants[-1] if variants else "generic")
+    if chosen not in Q8_VARIANTS:
+        raise ValueError(f"int8 variant {chosen!r} is not one of {', '.join(Q8_VARIANTS)}")
+    if chosen not in variants:
+        raise ValueError(f"int8 variant {chosen!r} does not run here (tier {cpu_ops.isa()}, "
+                         f"runs {', '.join(variants) or 'none'})")
+    _kernel("gguf_q8_linear", dtype)  # the library and dtype checks
+    fn = getattr(lib, f"gguf_q8_linear_{_SUFFIX[dtype]}{'_vnni' if chosen == 'vnni' else ''}")
+    _Q8_FUNCTIONS[key] = fn
+    return fn
+
+
+def gguf_q8_repack(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """GGUF rows (as ``gguf_linear`` takes them) repacked for ``gguf_q8_linear``: panels of 16
+    rows with their codes interleaved 4 bytes at a time, the rows padded to a multiple of 16.
+    Returns uint8 ``[ceil(N / 16) * 16, row_bytes]``, the same bytes per row as the input."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"cpu kernels unavailable: {error()}")
+    _check_gguf(qweight, qtype, in_features)
+    n = qweight.shape[0]
+    padded = -(-n // Q8_PANEL_ROWS) * Q8_PANEL_ROWS
+    out = torch.empty((padded, qweight.shape[1]), dtype=torch.uint8)
+    lib.gguf_q8_repack(qweight.data_ptr(), out.data_ptr(), n, in_features, qtype)
+    return out
+
+
+def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_features: int,
+                   variant: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` with ``x`` quantized to int8 per 32-value block and integer block products
+    (llama.cpp's arithmetic; ``q8_reference.gguf_q8_linear`` is the same in torch).
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
+        packed: ``gguf_q8_repack``'s panels of W (GGML type ``qtype``), ``out_features`` rows.
+        variant: one of ``q8_variants()``; None = the fastest there (its last).
+        out: ``[rows, N]`` contiguous in x's dtype to write into (tests poison it), else new.
+
+    Returns:
+        ``[..., N]`` in x's dtype.
+
+    Raises:
+        ValueError: unsupported type, dtype or variant, or shapes that do not match.
+        RuntimeError: the library could not be built, or its buffers not allocated.
+    """
+    fn = _q8_function(x.dtype, variant)
+    k = x.shape[-1]
+    _check_gguf(packed, qtype, k)
+    if packed.shape[0] != -(-out_features // Q8_PANEL_ROWS) * Q8_PANEL_ROWS:
+        raise ValueError(f"packed has {packed.shape[0]} rows, not {out_features} padded to 16")
+    rows = x.reshape(-1, k).contiguous()
+    shape = (rows.shape[0], out_features)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype)
+    elif out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {x.dtype} {shape}")
+    rc = fn(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), shape[0], shape[1], k, qtype,
+            int(variant == "generic"))
+    if rc != 0:
+        raise RuntimeError(f"gguf_q8_linear failed ({rc}: -2 = out of memory)")
+    return out.view(*x.shape[:-1], shape[1])

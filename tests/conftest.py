@@ -114,7 +114,8 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
         # float32: greedy parity with transformers' float32 generate is exact only there.
         model=ModelConfig(model=str(model_dir), max_model_len=kw.pop("max_model_len", 512),
                           dtype=kw.pop("dtype", "float32"),
-                          quantization=kw.pop("quantization", None)),
+                          quantization=kw.pop("quantization", None),
+                          cpu_linear_mode=kw.pop("cpu_linear_mode", "auto")),
         cache=CacheConfig(
             num_gpu_blocks_override=kw.pop("num_blocks", 256),
             block_size=kw.pop("block_size", 16),

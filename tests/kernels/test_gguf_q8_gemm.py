@@ -1,0 +1,85 @@
+"""The int8-activation GGUF kernel (``--cpu-linear-mode int8``): every variant the CPU runs
+(portable loop, the tier's maddubs loop, its VNNI loop) on every ISA tier (the ``isa``
+fixture) equals ``kernels/q8_reference.py``'s torch arithmetic, for Q4_0, Q4_1 and Q8_0, at
+row counts that fill 4-row tiles and ragged ones, output counts that fill the 16-row panels
+and ragged ones (the half panels of AVX2's 8 lanes too), writing every output (NaN-poisoned
+buffers), float32 and bfloat16 activations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from pagedserve.kernels import gguf_ops, q8_reference
+
+pytestmark = pytest.mark.usefixtures("isa")
+
+TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def _blocks(qtype, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    blocks = quants.quantize(w, qtype)
+    return torch.from_numpy(blocks), torch.from_numpy(quants.dequantize(blocks, qtype))
+
+
+def _x(rows: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    return x
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 37, 320), (2, 8, 64), (3, 33, 96),
+                                              (4, 48, 576), (5, 37, 320), (9, 5, 32),
+                                              (70, 37, 192)])
+def test_every_variant_equals_the_torch_reference(qtype, rows, n, k):
+    blocks, values = _blocks(qtype, n, k, seed=rows * 7 + n)
+    x = _x(rows, k, seed=rows + k)
+    want = q8_reference.gguf_q8_linear(x, blocks, int(qtype))
+    # The int8 arithmetic is a close approximation of the float product, not equal to it.
+    exact = x @ values.T
+    assert (want - exact).abs().max() < 0.05 * exact.abs().max()
+    packed = gguf_ops.gguf_q8_repack(blocks, int(qtype), k)
+    assert packed.shape == (-(-n // 16) * 16, blocks.shape[1])
+    for variant in gguf_ops.q8_variants():
+        out = torch.full((rows, n), float("nan"))
+        got = gguf_ops.gguf_q8_linear(x, packed, int(qtype), n, variant=variant, out=out)
+        assert got.data_ptr() == out.data_ptr() and not got.isnan().any(), variant
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=variant)
+        xb = x.bfloat16()  # bfloat16 in and out: the widened input, the result rounded once
+        want_b = q8_reference.gguf_q8_linear(xb, blocks, int(qtype)).bfloat16()
+        got_b = gguf_ops.gguf_q8_linear(xb, packed, int(qtype), n, variant=variant,
+                                        out=torch.full((rows, n), float("nan"),
+                                                       dtype=torch.bfloat16))
+        torch.testing.assert_close(got_b.float(), want_b.float(), rtol=8e-3, atol=1e-2,
+                                   msg=variant)
+
+
+def test_reference_quantizes_like_llama_cpp_q8_0():
+    """The activation codes are gguf-py's Q8_0 of the same block (its scale is then rounded to
+    fp16, ours stays float32): the round-to-nearest of x * 127 / amax."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    q, d = q8_reference.quantize_activations(x)
+    ref = quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(3, 2, 34)
+    codes = torch.from_numpy(ref[..., 2:].copy().view(np.int8)).to(torch.int32)
+    assert (q - codes).abs().max() <= 1  # fp16 scale vs ours: at most a tie apart
+    assert (q == codes).float().mean() > 0.97
+    torch.testing.assert_close(d * 127, x.reshape(3, 2, 32).abs().amax(-1))
+
+
+def test_rejects_bad_input():
+    blocks, _ = _blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=0)
+    packed = gguf_ops.gguf_q8_repack(blocks, 3, 64)
+    x = torch.randn(2, 3, 64)
+    assert gguf_ops.gguf_q8_linear(x, packed, 3, 8).shape == (2, 3, 8)
+    with pytest.raises(ValueError, match="not one of"):
+        gguf_ops.gguf_q8_linear(x, packed, 3, 8, variant="amx")
+    with pytest.raises(ValueError, match="out must be"):
+        gguf_ops.gguf_q8_linear(x, packed, 3, 8, out=torch.empty(6, 9))
+    with pytest.raises(ValueError, match="qweight must be"):
+        gguf_ops.gguf_q8_linear(torch.randn(1, 96), packed, 3, 8)
+    with pytest.raises(ValueError, match="padded to 16"):
+        gguf_ops.gguf_q8_linear(x, blocks, 3, 8)  # not repacked: 8 rows
