@@ -27,6 +27,7 @@ from pagedserve.actors.beam_search import BeamSearch
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_transfer import KVTransfer
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
@@ -53,6 +54,7 @@ from pagedserve.actors.stats import (
 from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.actors.structured_output import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
+from pagedserve.gpu.kv_connector.base import KVConnectorScheduler
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +65,7 @@ class Scheduler(Actor):
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, executor: Actor,
         max_model_len: int, stat_loggers: list[StatLogger] | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ):
         super().__init__()
         self.config = config
@@ -86,6 +89,10 @@ class Scheduler(Actor):
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
         self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
                                    self._finish)
+        self.transfer = None if kv_connector is None else KVTransfer(  # actors/kv_transfer.py
+            kv_connector, kv_cache_manager, self.waiting, self.requests, self._execute,
+            self._finish)
+        self.planner.transfer = self.transfer
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -93,17 +100,17 @@ class Scheduler(Actor):
         while True:
             if not self.has_unfinished_requests():
                 self._notify_idle()
-                self._handle(await self.mailbox.get())
+                await self._wait()
             self._drain_mailbox()
             if not self.has_unfinished_requests():
                 continue
             start = time.monotonic()
             so = self.schedule()
-            if not so.scheduled:  # nothing fits now; wait for an abort or a new request
+            if not so.scheduled and so.kv_connector_metadata is None:  # nothing fits now: wait
                 self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
                 if self.beams.release_parked():  # unless parked beams held the blocks
                     continue
-                self._handle(await self.mailbox.get())
+                await self._wait()
                 continue
             try:
                 out = await self._execute(so)
@@ -142,7 +149,15 @@ class Scheduler(Actor):
         return merged
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.transfer and self.transfer.parked))
+
+    async def _wait(self) -> None:
+        """Handle the next message (for an abort or a new request); with KV transfers in flight,
+        return after polling them instead, when no message comes first."""
+        msg = await (self.mailbox.get() if self.transfer is None
+                     else self.transfer.receive(self.mailbox))
+        if msg is not None:
+            self._handle(msg)
 
     def _notify_idle(self) -> None:
         """Answer every ``NotifyWhenIdle``: nothing is running or waiting."""
@@ -241,10 +256,12 @@ class Scheduler(Actor):
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
             del self.waiting_for_grammar[request.request_id]
-        elif request.status != RequestStatus.WAITING_FOR_BEAMS:  # parked beams sit nowhere
+        elif request.status not in (RequestStatus.WAITING_FOR_BEAMS,  # parked: in no queue
+                                    RequestStatus.WAITING_FOR_REMOTE_KVS):
             self.waiting.remove(request)
+        if self.transfer is None or not self.transfer.finished(request):  # not held
+            self.kv.free(request)
         request.status = status
-        self.kv.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -273,6 +290,8 @@ class Scheduler(Actor):
                              blocks_to_copy=self.kv.take_blocks_to_copy())
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
             scheduled, self.requests)
+        if self.transfer is not None:
+            so.kv_connector_metadata = self.transfer.step_metadata(scheduled)
         self.finished_req_ids = set()
         return so
 
@@ -290,9 +309,10 @@ class Scheduler(Actor):
         self.spec_decode.verify_seconds += out.verify_seconds
         self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
+        drop = self.transfer.update_from_output(so, out) if self.transfer is not None else ()
         for sr in so.scheduled:
             request = self.requests.get(sr.req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != RequestStatus.RUNNING or sr.req_id in drop:
                 continue
             if sr.req_id in out.prompt_logprobs:
                 request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
@@ -385,6 +405,7 @@ class Scheduler(Actor):
             num_beam_forks_total=self.beams.num_forks_total,
             spec_decode=self.spec_decode.copy(
                 self.planner.spec.seconds if self.planner.spec is not None else 0.0),
+            kv_transfer=self.transfer.snapshot() if self.transfer is not None else None,
         )
         pool = self.kv.block_pool
         kv = KVCacheStats(

@@ -17,6 +17,8 @@ from pagedserve.gpu.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedserve.gpu.kv_connector.base import KVConnectorMetadata
+
 
 class Segment(IntEnum):
     """The three kinds of request in a step, in the order the flattened batch holds them
@@ -138,6 +140,9 @@ class SchedulerOutput:
 
     ``blocks_to_copy``: ``(src, dst)`` KV block ids to copy before the forward pass (beam
     search's copy-on-write of a shared partial block; ``gpu/kv_cache.copy_blocks``).
+
+    ``kv_connector_metadata``: the KV connector's loads and saves for this step (its scheduler
+    half's ``build_connector_meta``); ``None`` without a connector or with nothing to move.
     """
 
     scheduled: list[ScheduledRequest]
@@ -145,6 +150,7 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -164,3 +170,8 @@ class ModelRunnerOutput:
     # rejection sampling), in a step that verified drafts; else 0.
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # KV connector (``gpu/kv_connector/``): requests whose blocks finished going out / coming
+    # in since the last step, and those whose load failed (recomputed or failed by policy).
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
