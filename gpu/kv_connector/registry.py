@@ -32,6 +32,9 @@ _REGISTRY: dict[str, ConnectorEntry] = {
     "SharedStorageConnector": ConnectorEntry(
         "pagedserve.gpu.kv_connector.shared_storage", "SharedStorageScheduler",
         "SharedStorageWorker"),
+    "TCPConnector": ConnectorEntry(  # the network connector (tcp_connector.py)
+        "pagedserve.gpu.kv_connector.tcp_connector", "TCPConnectorScheduler",
+        "TCPConnectorWorker"),
 }
 
 

@@ -103,10 +103,9 @@ class TCPConnectorMetadata(KVConnectorMetadata):
 class TCPConnectorScheduler(KVConnectorScheduler):
     """Scheduler half: decides loads (consumer) and holds (producer); no I/O here."""
 
-    def __init__(self, config: KVTransferConfig, block_size: int, world_size: int = 1):
+    def __init__(self, config: KVTransferConfig, block_size: int):
         super().__init__(config, block_size)
         self.host, self.port, _ = _extra(config)
-        self.world_size = world_size
         self.produces = config.kv_role in (KVRole.PRODUCER, KVRole.BOTH)
         self.consumes = config.kv_role in (KVRole.CONSUMER, KVRole.BOTH)
         if self.produces and self.port is None:
@@ -130,11 +129,6 @@ class TCPConnectorScheduler(KVConnectorScheduler):
                                    num_computed_tokens: int) -> tuple[int, bool]:
         params = self._remote(request) if self.consumes else None
         if params is None or request.request_id in self._done:
-            return 0, False
-        if int(params.get("tp_size", self.world_size)) != self.world_size:
-            log.warning("kv_load_skipped", request_id=request.request_id,
-                        reason=f"producer tp {params.get('tp_size')}, ours {self.world_size}")
-            self._done.add(request.request_id)
             return 0, False
         full = min(len(params["remote_block_ids"]),
                    (len(request.prompt_token_ids) - 1) // self.block_size)
@@ -181,11 +175,10 @@ class TCPConnectorScheduler(KVConnectorScheduler):
         self._done.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         params = request.kv_transfer_params
-        # Only a prefill that ran to its token limit has a consumer coming (an abort, an error
-        # or a stop token: the decode instance, if any, recomputes).
-        status = getattr(getattr(request, "status", None), "value", "finished_length")
+        # Only a prefill that computed its whole prompt has blocks worth a consumer's pull (one
+        # aborted before that: none comes; if one does, it recomputes).
         if (not self.produces or not params or not params.get("do_remote_decode")
-                or status != "finished_length"):
+                or request.num_computed_tokens < len(request.prompt_token_ids)):
             return False, None
         held = block_ids[: len(request.prompt_token_ids) // self.block_size]
         if not held:
@@ -197,7 +190,6 @@ class TCPConnectorScheduler(KVConnectorScheduler):
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id, "remote_request_id": request.request_id,
             "remote_block_ids": list(held), "remote_host": self.host, "remote_port": self.port,
-            "tp_size": self.world_size,
         }
 
 

@@ -29,6 +29,7 @@ class Req:
     request_id: str
     prompt_token_ids: list[int]
     kv_transfer_params: dict | None = None
+    num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
 
 
@@ -59,8 +60,8 @@ class Pair:
         self.port = free_port() if world_size == 1 else _free_port_run(world_size)
         pc, cc = config(KVRole.PRODUCER, self.port, timeout_s, hold_s), config(
             KVRole.CONSUMER, 0, timeout_s)
-        self.p_sched = TCPConnectorScheduler(pc, BLOCK, world_size)
-        self.c_sched = TCPConnectorScheduler(cc, BLOCK, world_size)
+        self.p_sched = TCPConnectorScheduler(pc, BLOCK)
+        self.c_sched = TCPConnectorScheduler(cc, BLOCK)
         self.p_workers = [TCPConnectorWorker(pc, r, world_size) for r in range(world_size)]
         self.c_workers = [TCPConnectorWorker(cc, r, world_size) for r in range(world_size)]
         heads = HEADS // world_size
@@ -70,7 +71,7 @@ class Pair:
             w.register_kv_caches(kv)
 
     def prefill(self, rid: str, prompt_len: int, block_ids: list[int]) -> dict:
-        req = Req(rid, list(range(prompt_len)), {"do_remote_decode": True})
+        req = Req(rid, list(range(prompt_len)), {"do_remote_decode": True}, prompt_len)
         hold, params = self.p_sched.request_finished(req, block_ids)
         assert hold
         self.step(self.p_sched, self.p_workers)
@@ -78,7 +79,7 @@ class Pair:
 
     def decode(self, rid: str, prompt_len: int, params: dict, local_ids: list[int],
                num_computed: int = 0) -> tuple[int, bool]:
-        req = Req(rid, list(range(prompt_len)), params)
+        req = Req(rid, list(range(prompt_len)), params, num_computed)
         matched = self.c_sched.get_num_new_matched_tokens(req, num_computed)
         if matched[0]:
             self.c_sched.update_state_after_alloc(req, local_ids, matched[0])
@@ -170,7 +171,6 @@ def test_tensor_parallel_ranks_pull_their_own_heads():
     pair = Pair(world_size=2)
     try:
         params = pair.prefill("tp", 33, [2, 4, 9])
-        assert params["tp_size"] == 2
         pair.decode("tp", 33, params, [1, 3, 5])
         for rank in range(2):
             wait_recved(pair.c_workers[rank], "tp")
@@ -287,3 +287,11 @@ def test_a_timed_out_hold_is_withdrawn_before_the_blocks_are_freed():
         assert "no such blocks held" in wait_failed(pair.c_workers[0], "late")
     finally:
         pair.close()
+
+
+def test_a_prefill_that_did_not_finish_its_prompt_holds_nothing(pair):
+    """Aborted mid-prompt (its client left): no consumer is coming, the blocks go at once."""
+    req = Req("gone", list(range(40)), {"do_remote_decode": True}, num_computed_tokens=16)
+    assert pair.p_sched.request_finished(req, [1, 2, 3]) == (False, None)
+    plain = Req("plain", list(range(40)), None, num_computed_tokens=40)
+    assert pair.p_sched.request_finished(plain, [1, 2, 3]) == (False, None)
