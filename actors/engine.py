@@ -171,8 +171,9 @@ class AsyncEngine:
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
-                          priority=priority, cache_salt=cache_salt,
-                          kv_transfer_params=kv_transfer_params)
+                          priority=priority, cache_salt=cache_salt,  # params: for a connector
+                          kv_transfer_params=kv_transfer_params
+                          if self.config.cache.kv_transfer_config is not None else None)
         if grammar is not None:
             if grammar.spec != params.structured_outputs:
                 raise ValueError("grammar was compiled for another constraint than "
