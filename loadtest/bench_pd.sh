@@ -14,7 +14,12 @@
 # MODEL defaults to the embedded SmolLM2-135M-Instruct; extra `serve` flags go in SERVE_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LOADGEN=${LOADGEN:-../shared/bench/loadgen.py}
+# The shared loadgen sits beside the main checkout (../shared), or two up from a worktree.
+if [ -z "${LOADGEN:-}" ]; then
+  for LOADGEN in ../shared/bench/loadgen.py ../../shared/bench/loadgen.py; do
+    [ -f "$LOADGEN" ] && break
+  done
+fi
 OUT=${OUT:-artifacts/bench_pd.jsonl}
 CONNECTOR=${CONNECTOR:-TCPConnector}
 REQUESTS=${REQUESTS:-32}

@@ -18,6 +18,9 @@ the blocks and says where they are, the consumer reads them, then says done).
   (``tcp_transfer.pull_blocks``), writes them into the blocks the scheduler allocated and checks
   one xxh3-64 checksum per block. A bad checksum, a dead producer or a socket timeout
   (``timeout_s``, default 10) is a failed load (``get_failed_loads``), never a hang.
+- **Under tp/pp** only the driver rank's report reaches the scheduler, so each rank reports a
+  transfer (loaded, failed, or sent) only once every rank's part of it has ended, asking the
+  producer's ranks over the same socket protocol (``_peers_settled``).
 
 Why TCP and not torch.distributed point-to-point (gloo): a gloo ``send``/``recv`` pair needs both
 instances in one process group, formed up front with a fixed world size and a rendezvous;
@@ -61,6 +64,7 @@ from pagedserve.gpu.kv_connector.base import (
 from pagedserve.gpu.kv_connector.tcp_transfer import (
     BlockServer,
     TransferError,
+    peer_state,
     pull_blocks,
     send_release,
 )
@@ -68,6 +72,8 @@ from pagedserve.gpu.kv_connector.tcp_transfer import (
 log = structlog.get_logger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
+_PEER_WAIT_TIMEOUTS = 6  # under tp: how many socket timeouts a rank waits for the others
+_PEER_POLL_S = 0.005
 _HOLD_MARGIN_S = 1.0  # offers are withdrawn this long before the scheduler frees the blocks
 
 
@@ -202,7 +208,7 @@ class TCPConnectorWorker(KVConnectorWorker):
         self.produces = config.kv_role in (KVRole.PRODUCER, KVRole.BOTH)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.server: BlockServer | None = None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-tcp-pull")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-tcp-pull")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._recved: set[str] = set()
@@ -221,8 +227,36 @@ class TCPConnectorWorker(KVConnectorWorker):
                      rank=self.rank)
 
     def _on_sent(self, request_id: str) -> None:
+        if self.world_size > 1:  # the blocks go only once every rank's consumer is done
+            self._pool.submit(self._sent_everywhere, request_id)
+            return
         with self._lock:
             self._sent.add(request_id)
+
+    def _sent_everywhere(self, request_id: str) -> None:
+        local = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        self._peers_settled(local, self.port, request_id)
+        with self._lock:
+            self._sent.add(request_id)
+
+    def _peers_settled(self, host: str, port: int, request_id: str) -> bool:
+        """Under tp, wait until every other rank's transfer of ``request_id`` ended (as the
+        producer's rank ``r`` at ``port + r`` sees it); returns whether all of them succeeded.
+
+        Only one rank's report reaches the scheduler (the executor returns the driver rank's
+        output), so each rank reports a transfer only once all ranks are done with it: a
+        request never runs on blocks another rank is still writing, and a producer's blocks
+        are never freed while another rank still reads them."""
+        deadline = time.monotonic() + _PEER_WAIT_TIMEOUTS * self.timeout_s
+        ok = True
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            while (state := peer_state(host, port + r, request_id, self.timeout_s)) in (
+                    "pending", "unknown") and time.monotonic() < deadline:
+                time.sleep(_PEER_POLL_S)
+            ok = ok and state == "done"
+        return ok
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, TCPConnectorMetadata):
@@ -239,20 +273,30 @@ class TCPConnectorWorker(KVConnectorWorker):
 
     def _pull(self, load: TCPLoad) -> None:
         start = time.perf_counter()
+        reason = None
         try:
             pull_blocks(self.kv_caches, load.host, load.port + self.rank, load.remote_request_id,
                         load.remote_block_ids, load.local_block_ids, self.rank, self.timeout_s)
         except (OSError, TransferError, ValueError, KeyError) as e:
-            reason = f"KV load from {load.host}:{load.port + self.rank} failed: " \
-                     f"{type(e).__name__}: {e}"
-            log.warning("kv_load_failed", request_id=load.request_id, reason=reason)
-            with self._lock:
-                self._failed[load.request_id] = reason
+            reason = (f"KV load from {load.host}:{load.port + self.rank} failed: "
+                      f"{type(e).__name__}: {e}")
+        # Under tp, even a failure is reported only once no other rank still writes the blocks
+        # (the recompute that follows writes them too).
+        if self.world_size > 1 and not self._peers_settled(load.host, load.port,
+                                                           load.remote_request_id):
+            reason = reason or "KV load failed on another tensor-parallel rank"
+        if reason is not None:
+            self._fail(load, reason)
             return
         log.debug("kv_loaded", request_id=load.request_id, blocks=len(load.local_block_ids),
                   seconds=round(time.perf_counter() - start, 4))
         with self._lock:
             self._recved.add(load.request_id)
+
+    def _fail(self, load: TCPLoad, reason: str) -> None:
+        log.warning("kv_load_failed", request_id=load.request_id, reason=reason)
+        with self._lock:
+            self._failed[load.request_id] = reason
 
     def _release(self, load: TCPLoad) -> None:
         try:

@@ -100,7 +100,8 @@ class BlockServer:
         self.timeout_s = timeout_s
         self.on_done = on_done
         self._offers: dict[str, _Servable] = {}
-        self._gone: OrderedDict[str, None] = OrderedDict()  # recently withdrawn or done
+        # Ended offers, remembered: True when the consumer confirmed every block, else False.
+        self._outcomes: OrderedDict[str, bool] = OrderedDict()
         self._changed = threading.Condition()
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address = self._sock.getsockname()[:2]
@@ -118,22 +119,30 @@ class BlockServer:
         """Stop serving ``request_id`` (its hold timed out); returns once no pull reads it."""
         with self._changed:
             servable = self._offers.pop(request_id, None)
-            self._forget(request_id)
+            self._remember(request_id, False)
         if servable is not None:
             with servable.lock:
                 pass
 
-    def _forget(self, request_id: str) -> None:
-        self._gone[request_id] = None
-        while len(self._gone) > _REMEMBER_GONE:
-            self._gone.popitem(last=False)
+    def _remember(self, request_id: str, ok: bool) -> None:
+        self._outcomes[request_id] = ok
+        while len(self._outcomes) > _REMEMBER_GONE:
+            self._outcomes.popitem(last=False)
+
+    def state(self, request_id: str) -> str:
+        """``done`` (the consumer confirmed), ``failed`` (withdrawn, or a broken pull),
+        ``pending`` (offered, not yet pulled) or ``unknown`` (not offered yet)."""
+        with self._changed:
+            if request_id in self._outcomes:
+                return "done" if self._outcomes[request_id] else "failed"
+            return "pending" if request_id in self._offers else "unknown"
 
     def _take(self, request_id: str) -> _Servable | None:
         """The offer, waiting up to the timeout for it: a consumer can ask before the step that
         tells this rank about the request has run."""
         with self._changed:
             self._changed.wait_for(lambda: request_id in self._offers or self._closed
-                                   or request_id in self._gone, timeout=self.timeout_s)
+                                   or request_id in self._outcomes, timeout=self.timeout_s)
             return self._offers.get(request_id)
 
     def _accept_loop(self) -> None:
@@ -148,15 +157,20 @@ class BlockServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
+            msg: dict = {}
             try:
                 msg = recv_frame(conn)
                 rid = str(msg["request_id"])
                 if msg["op"] == "release":
-                    self._finish(rid)
+                    self._finish(rid, True)
+                elif msg["op"] == "status":
+                    send_frame(conn, {"state": self.state(rid)})
                 elif msg["op"] == "pull":
                     self._serve_pull(conn, rid, [int(b) for b in msg["block_ids"]])
             except (OSError, TransferError, KeyError, ValueError) as e:
                 log.warning("kv_serve_failed", error=f"{type(e).__name__}: {e}")
+                if msg.get("op") == "pull":  # broken mid-way: no done will come
+                    self._finish(str(msg.get("request_id")), False)
 
     def _serve_pull(self, conn: socket.socket, rid: str, block_ids: list[int]) -> None:
         servable = self._take(rid)
@@ -179,12 +193,13 @@ class BlockServer:
             conn.sendall(b"".join(h.digest() for h in hashers))
         done = recv_frame(conn)
         if done.get("op") == "done":
-            self._finish(rid)
+            self._finish(rid, bool(done.get("ok")))
 
-    def _finish(self, rid: str) -> None:
+    def _finish(self, rid: str, ok: bool) -> None:
         with self._changed:
             known = self._offers.pop(rid, None) is not None
-            self._forget(rid)
+            if known or rid not in self._outcomes:
+                self._remember(rid, ok)
         if known:
             self.on_done(rid)
 
@@ -244,6 +259,16 @@ def _receive_blocks(sock: socket.socket, kv_caches: KVCaches, local_ids: list[in
     sums = bytearray(8 * n)
     recv_exact(sock, memoryview(sums))
     return [local_ids[i] for i, h in enumerate(hashers) if h.digest() != sums[8 * i:8 * i + 8]]
+
+
+def peer_state(host: str, port: int, request_id: str, timeout_s: float) -> str:
+    """A producer rank's ``BlockServer.state`` of ``request_id`` (``failed`` if unreachable)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            send_frame(sock, {"op": "status", "request_id": request_id})
+            return str(recv_frame(sock).get("state"))
+    except (OSError, TransferError, ValueError):
+        return "failed"
 
 
 def send_release(host: str, port: int, request_id: str, timeout_s: float) -> None:

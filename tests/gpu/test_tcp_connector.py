@@ -181,6 +181,22 @@ def test_tensor_parallel_ranks_pull_their_own_heads():
         pair.close()
 
 
+def test_under_tp_a_failure_on_one_rank_fails_the_load_on_every_rank():
+    """Only one rank's report reaches the scheduler: each rank reports a load only when every
+    rank's part of it succeeded."""
+    pair = Pair(world_size=2, timeout_s=2.0)
+    try:
+        params = pair.prefill("tp-bad", 33, [2, 4, 9])
+        pair.p_workers[1].shutdown()  # rank 1's producer is gone
+        pair.decode("tp-bad", 33, params, [1, 3, 5])
+        assert "ConnectionRefusedError" in wait_failed(pair.c_workers[1], "tp-bad")
+        assert "another tensor-parallel rank" in wait_failed(pair.c_workers[0], "tp-bad")
+        # Rank 0's producer served its half, and lets go only once rank 1's side has ended.
+        until(lambda: "tp-bad" in pair.p_workers[0].get_finished()[0], "finished_sending")
+    finally:
+        pair.close()
+
+
 HEADER_BYTES = 200  # past the producer's header frame: the blocks' bytes
 
 
