@@ -262,8 +262,13 @@ class _Disaggregated(Response):
                            if k in _RELAYED_HEADERS]
                 await send({"type": "http.response.start", "status": r.status_code,
                             "headers": relayed})
-                async for chunk in r.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                try:
+                    async for chunk in r.aiter_raw():
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+                except httpx.HTTPError as e:  # the decode instance went away mid-answer
+                    log.warning("upstream_broken", error=f"{type(e).__name__}: {e}",
+                                request_id=self.upstream_headers["x-request-id"])
                 await send({"type": "http.response.body", "body": b""})
         except UpstreamError as e:
             log.info("upstream_error", status=e.status,

@@ -21,7 +21,7 @@ import pytest_asyncio
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
 from pagedserve.server.launch import free_port, start_server_process
 from pagedserve.server.proxy import ProxyConfig, running_proxy
-from tests.conftest import serve, until_stats
+from tests.conftest import chat, serve, stream_chat, until_stats
 from tests.kv_relay import Relay
 from tests.server.test_pd_proxy import num_aborted
 
@@ -29,6 +29,7 @@ BS = 16
 LONG_LEN = 2100  # > 2,048: chunked (512-token steps) on both instances
 MAX_MODEL_LEN = 2304
 PROMPTS = {"short": 70, "long": LONG_LEN}
+CHAT = "Tell me a long story about a dragon who learned to paint with watercolors."
 
 
 def token_prompt(n: int, seed: int) -> list[int]:
@@ -84,8 +85,12 @@ def idle(s: dict) -> bool:
 async def want(tiny_model_dir) -> dict[str, list[int]]:
     """One instance's greedy tokens per prompt (no connector, no proxy)."""
     async with instance(tiny_model_dir) as client:
-        return {name: (await complete(client, token_prompt(n, i)))["choices"][0]["token_ids"]
-                for i, (name, n) in enumerate(PROMPTS.items())}
+        out = {name: (await complete(client, token_prompt(n, i)))["choices"][0]["token_ids"]
+               for i, (name, n) in enumerate(PROMPTS.items())}
+        body = await chat(client, CHAT, max_tokens=12)
+        out["chat"] = body["choices"][0]["token_ids"]
+        out["chat_prompt_len"] = [body["usage"]["prompt_tokens"]]
+        return out
 
 
 @pytest.mark.parametrize("connector", ["TCPConnector", "SharedStorageConnector"])
@@ -95,12 +100,15 @@ async def test_pd_through_the_proxy_equals_one_instance(tiny_model_dir, tmp_path
         for i, (name, n) in enumerate(PROMPTS.items()):
             body = await complete(proxy, token_prompt(n, i))
             assert body["choices"][0]["token_ids"] == want[name], name
+        _, tokens, _ = await stream_chat(proxy, CHAT, max_tokens=12)  # chat, streamed
+        assert tokens == want["chat"]
         s = await until_stats(consumer, idle, "the consumer idle")
         await until_stats(producer, idle, "the producer idle, its holds released")
     t = s["scheduler"]["kv_transfer"]
-    loaded = sum((n - 1) // BS * BS for n in PROMPTS.values())
+    lengths = [*PROMPTS.values(), *want["chat_prompt_len"]]
+    loaded = sum((n - 1) // BS * BS for n in lengths)
     assert t["num_loaded_prompt_tokens_total"] == loaded  # loaded, not computed
-    assert t["num_computed_prompt_tokens_total"] == sum(PROMPTS.values()) - loaded
+    assert t["num_computed_prompt_tokens_total"] == sum(lengths) - loaded
     assert t["num_failed_loads_total"] == 0
 
 
