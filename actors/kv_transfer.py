@@ -194,6 +194,8 @@ class KVTransfer:
         if request is None:
             return
         self.reloaded[rid] = self.loading.get(rid, 0)
+        # Its blocks hold the local hits too: the reload's allocation counts from there.
+        request.num_computed_tokens = request.num_cached_tokens
         self._confirm(rid)
         request.status = RequestStatus.WAITING
         self.waiting.prepend(request)
