@@ -268,11 +268,16 @@ class KVTransfer:
         """Blocks held or loads parked: the worker half still has something to report."""
         return bool(self.held or self.parked)
 
-    async def receive(self, mailbox: asyncio.Queue[Any]) -> Any | None:
-        """The scheduler's next message; while transfers are in flight, ``None`` after one
-        polling step instead (the scheduler then looks at its queues again)."""
-        if not self.in_flight:
+    async def receive(self, mailbox: asyncio.Queue[Any],
+                      metadata: KVConnectorMetadata | None = None) -> Any | None:
+        """The scheduler's next message. ``metadata``: a step's that scheduled no request, run
+        first in an empty step. While transfers are in flight, ``None`` after at most
+        ``POLL_INTERVAL_S`` (and a polling step) when no message came: the scheduler then looks
+        at its queues again. At most one empty step per interval, whatever the connector does."""
+        if metadata is None and not self.in_flight:
             return await mailbox.get()
+        if metadata is not None:
+            await self._empty_step(metadata)
         deadline = min(h.deadline for h in self.held.values()) if self.held else float("inf")
         timeout = max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic()))
         get = asyncio.ensure_future(mailbox.get())
@@ -280,12 +285,16 @@ class KVTransfer:
         if get in done:
             return get.result()
         get.cancel()  # no message was taken: a cancelled Queue.get leaves the queue as it was
-        await self.poll()
+        if metadata is None:
+            await self.poll()
         return None
 
     async def poll(self) -> None:
         """One empty step: the connector's pending work, and the worker half's reports."""
-        so = SchedulerOutput([], kv_connector_metadata=self.step_metadata([]))
+        await self._empty_step(self.step_metadata([]))
+
+    async def _empty_step(self, metadata: KVConnectorMetadata | None) -> None:
+        so = SchedulerOutput([], kv_connector_metadata=metadata)
         try:
             out = await self.execute(so)
         except Exception:

@@ -106,11 +106,12 @@ class Scheduler(Actor):
                 continue
             start = time.monotonic()
             so = self.schedule()
-            if not so.scheduled and so.kv_connector_metadata is None:  # nothing fits now: wait
+            if not so.scheduled:  # nothing fits now; wait for an abort or a new request
                 self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
-                if self.beams.release_parked():  # unless parked beams held the blocks
+                meta = so.kv_connector_metadata  # a KV transfer's loads, run while waiting
+                if meta is None and self.beams.release_parked():  # parked beams held blocks
                     continue
-                await self._wait()
+                await self._wait(meta)
                 continue
             try:
                 out = await self._execute(so)
@@ -146,16 +147,17 @@ class Scheduler(Actor):
             merged.sampled_token_ids.update(out.sampled_token_ids)
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.add_transfers(out)
         return merged
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or (self.transfer and self.transfer.parked))
 
-    async def _wait(self) -> None:
-        """Handle the next message (for an abort or a new request); with KV transfers in flight,
-        return after polling them instead, when no message comes first."""
+    async def _wait(self, kv_connector_metadata: Any = None) -> None:
+        """Handle the next message (an abort, a new request); with KV transfers in flight, or
+        a step's connector metadata to run, return after those instead if no message comes."""
         msg = await (self.mailbox.get() if self.transfer is None
-                     else self.transfer.receive(self.mailbox))
+                     else self.transfer.receive(self.mailbox, kv_connector_metadata))
         if msg is not None:
             self._handle(msg)
 

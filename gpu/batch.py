@@ -175,3 +175,9 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+
+    def add_transfers(self, other: ModelRunnerOutput) -> None:
+        """Take ``other``'s KV connector reports too (the scheduler's per-request reruns)."""
+        self.finished_sending |= other.finished_sending
+        self.finished_recving |= other.finished_recving
+        self.failed_recving |= other.failed_recving

@@ -101,7 +101,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.token_ids: dict[str, list[int]] = {}
         self.draft = DraftModel(draft) if draft is not None else None
-        self.kv_connector = None  # the KV connector's worker half (load(), when configured)
+        self.kv_connector: worker_step.ConnectorStep | None = None  # load(), when configured
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -290,7 +290,7 @@ class ModelRunner:
         """One step; with a KV connector, between its loads and saves (``worker_step``)."""
         if self.kv_connector is None:
             return self._execute_model(so)
-        return worker_step.run_step(self.kv_connector, so, self._execute_model)
+        return self.kv_connector.run(so, self._execute_model)
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass and sampling for every scheduled request."""

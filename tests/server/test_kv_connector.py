@@ -184,3 +184,36 @@ def test_kv_transfer_config_takes_vllms_keys():
         ' "kv_parallel_size": 2, "kv_buffer_device": "cuda", "engine_id": "dec-0"}')
     assert (c.kv_role.value, c.kv_load_failure_policy.value, c.kv_hold_timeout_s,
             c.engine_id) == ("kv_consumer", "recompute", 120.0, "dec-0")
+
+
+async def test_tensor_parallel_ranks_each_keep_their_heads_and_a_bad_file_on_any_fails(
+        tiny_model_dir, tmp_path):
+    """tp=2: one file per block and rank (each its rank's KV heads). A corrupt file of rank 1,
+    which does not sample, still fails the load (the ranks' reports are gathered)."""
+    from pagedserve.gpu.config import ParallelConfig
+
+    prompts = [prompt(60, 30), prompt(60, 31)]
+
+    def tp2(role: str):
+        return serve(tiny_model_dir, max_model_len=256, num_blocks=64,
+                     parallel=ParallelConfig(2, 1), kv_transfer_config=connector(role, tmp_path))
+
+    async with tp2("kv_producer") as client:
+        want = [(await complete(client, p))["choices"][0]["token_ids"] for p in prompts]
+    rank1 = sorted(tmp_path.glob("*.r1.kv"))
+    assert len(rank1) == len(list(tmp_path.glob("*.r0.kv"))) == 2 * (60 // BS)
+    from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
+
+    hashes: list[bytes] = []
+    extend_block_hashes(HASH_FUNCTIONS["sha256"], hashes, prompts[1], BS, None)
+    path = tmp_path / f"{hashes[0].hex()}.r1.kv"
+    data = bytearray(path.read_bytes())
+    data[_payload_offset(bytes(data)) + 7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    async with tp2("kv_consumer") as client:
+        for p, w in zip(prompts, want, strict=True):
+            assert (await complete(client, p))["choices"][0]["token_ids"] == w
+        s = await until_stats(client, all_free, "all blocks free on the tp consumer")
+    t = s["scheduler"]["kv_transfer"]
+    assert t["num_failed_loads_total"] == 1
+    assert t["num_loaded_prompt_tokens_total"] == loaded_tokens(60)
