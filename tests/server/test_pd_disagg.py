@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode end to end: a producer and a consumer instance of the tiny Llama
 (float32) with a KV connector between them, ``pagedserve proxy`` in front. Greedy output
-equals one instance's for a short and a chunked (> 2,048-token) prompt with both connectors,
+equals one instance's for a short and a chunked (> 2,048-token) prompt with both connectors
+(and a prompt whose first blocks the decode instance already caches: local hits, then the load),
 and the decode instance loads the prompt rather than computing it; a load run with random
 client disconnects leaves every block free on both sides (held ones after the hold timeout);
 a producer killed mid-transfer is recomputed (or, with ``fail``, a clear error), never a hang.
@@ -28,13 +29,20 @@ from tests.server.test_pd_proxy import num_aborted
 BS = 16
 LONG_LEN = 2100  # > 2,048: chunked (512-token steps) on both instances
 MAX_MODEL_LEN = 2304
-PROMPTS = {"short": 70, "long": LONG_LEN}
+PROMPTS = {"short": 70, "long": LONG_LEN, "shared": 88}
+SHARED = 48  # "shared" starts with "short"'s first 3 blocks: local prefix-cache hits
 CHAT = "Tell me a long story about a dragon who learned to paint with watercolors."
 
 
 def token_prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 49000) for _ in range(n)]
+
+
+def prompt_of(name: str) -> list[int]:
+    if name == "shared":
+        return prompt_of("short")[:SHARED] + token_prompt(PROMPTS[name] - SHARED, 99)
+    return token_prompt(PROMPTS[name], list(PROMPTS).index(name))
 
 
 def kv_config(connector: str, role: str, tmp: Path, **extra) -> str:
@@ -85,8 +93,8 @@ def idle(s: dict) -> bool:
 async def want(tiny_model_dir) -> dict[str, list[int]]:
     """One instance's greedy tokens per prompt (no connector, no proxy)."""
     async with instance(tiny_model_dir) as client:
-        out = {name: (await complete(client, token_prompt(n, i)))["choices"][0]["token_ids"]
-               for i, (name, n) in enumerate(PROMPTS.items())}
+        out = {name: (await complete(client, prompt_of(name)))["choices"][0]["token_ids"]
+               for name in PROMPTS}
         body = await chat(client, CHAT, max_tokens=12)
         out["chat"] = body["choices"][0]["token_ids"]
         out["chat_prompt_len"] = [body["usage"]["prompt_tokens"]]
@@ -97,8 +105,8 @@ async def want(tiny_model_dir) -> dict[str, list[int]]:
 async def test_pd_through_the_proxy_equals_one_instance(tiny_model_dir, tmp_path, want,
                                                         connector):
     async with deployment(tiny_model_dir, connector, tmp_path) as (proxy, producer, consumer):
-        for i, (name, n) in enumerate(PROMPTS.items()):
-            body = await complete(proxy, token_prompt(n, i))
+        for name in PROMPTS:  # "shared" after "short": local hits, then the load
+            body = await complete(proxy, prompt_of(name))
             assert body["choices"][0]["token_ids"] == want[name], name
         _, tokens, _ = await stream_chat(proxy, CHAT, max_tokens=12)  # chat, streamed
         assert tokens == want["chat"]
@@ -106,9 +114,9 @@ async def test_pd_through_the_proxy_equals_one_instance(tiny_model_dir, tmp_path
         await until_stats(producer, idle, "the producer idle, its holds released")
     t = s["scheduler"]["kv_transfer"]
     lengths = [*PROMPTS.values(), *want["chat_prompt_len"]]
-    loaded = sum((n - 1) // BS * BS for n in lengths)
-    assert t["num_loaded_prompt_tokens_total"] == loaded  # loaded, not computed
-    assert t["num_computed_prompt_tokens_total"] == sum(lengths) - loaded
+    full = sum((n - 1) // BS * BS for n in lengths)  # all but the last token's block
+    assert t["num_loaded_prompt_tokens_total"] == full - SHARED  # loaded, not computed
+    assert t["num_computed_prompt_tokens_total"] == sum(lengths) - full
     assert t["num_failed_loads_total"] == 0
 
 
