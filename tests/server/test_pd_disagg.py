@@ -178,7 +178,8 @@ async def test_a_producer_killed_mid_transfer_is_recomputed(tiny_model_dir, tmp_
                                                       tmp_path)) as consumer:
             answer = asyncio.ensure_future(complete(
                 consumer, ids, kv_transfer_params={**params, "remote_port": relay.port}))
-            await asyncio.to_thread(relay.cut.wait)  # mid-transfer
+            # Mid-transfer (the timeout only catches a pull that never started).
+            assert await asyncio.to_thread(relay.cut.wait, 120), "the pull never came"
             proc.kill()
             proc.wait()
             relay.close()  # the dead producer's connection ends
