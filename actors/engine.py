@@ -45,6 +45,7 @@ from pagedserve.actors.structured_output import (
 )
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
+from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
@@ -118,7 +119,9 @@ class AsyncEngine:
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
         stat_loggers: list[StatLogger] = []
-        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers)
+        connector = make_scheduler_connector(config.cache.kv_transfer_config, info.block_size)
+        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers,
+                              connector)
         executor.start()
         scheduler.start()
         log.info(
@@ -147,6 +150,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, cache_salt: str | None = None,
         grammar: CompiledConstraint | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the scheduler has accepted it, so a
         refusal becomes an HTTP error before any response starts.
@@ -157,6 +161,8 @@ class AsyncEngine:
             grammar: ``params.structured_outputs`` as ``compile_grammar`` compiled it; the
                 request runs on it as is. Without it, a constraint in ``params`` is compiled
                 (or found cached) here and the scheduler parks the request until it is ready.
+            kv_transfer_params: vLLM's disaggregated prefill/decode fields, for the KV
+                connector (``gpu/kv_connector/``); its answer ends up on the last delta.
 
         Raises:
             EngineOverloaded: the waiting queue is full.
@@ -165,7 +171,9 @@ class AsyncEngine:
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
-                          priority=priority, cache_salt=cache_salt)
+                          priority=priority, cache_salt=cache_salt,  # params: for a connector
+                          kv_transfer_params=kv_transfer_params
+                          if self.config.cache.kv_transfer_config is not None else None)
         if grammar is not None:
             if grammar.spec != params.structured_outputs:
                 raise ValueError("grammar was compiled for another constraint than "

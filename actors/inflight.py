@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -228,11 +229,13 @@ class InFlight:
     # -- sent and answered ------------------------------------------------------------------
 
     def execute(self, scheduled: list[ScheduledRequest], blocks_to_copy: list[tuple[int, int]],
-                ) -> asyncio.Future[ModelRunnerOutput]:
-        """Send a step outside the flight (a rerun after a failure); await the reply."""
+                kv_connector_metadata: Any = None) -> asyncio.Future[ModelRunnerOutput]:
+        """Send a step outside the flight (a rerun after a failure, a KV transfer's empty
+        step); await the reply."""
         reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-        self.executor.send(ExecuteModel(SchedulerOutput(scheduled, blocks_to_copy=blocks_to_copy),
-                                        reply))
+        so = SchedulerOutput(scheduled, blocks_to_copy=blocks_to_copy,
+                             kv_connector_metadata=kv_connector_metadata)
+        self.executor.send(ExecuteModel(so, reply))
         return reply
 
     def send(self, so: SchedulerOutput, start: float) -> None:

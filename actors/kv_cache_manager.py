@@ -80,13 +80,15 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[KVCacheBlock] | None = None, delay_cache: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
         Args:
             new_computed_blocks: prefix-cache hits from ``get_computed_blocks`` (admission only);
                 their tokens count as computed, on top of ``request.num_computed_tokens``.
+            delay_cache: index no block now (a KV connector is still to fill them: a block is
+                shared only once its load succeeded, at the request's next allocation).
 
         Returns:
             The newly taken blocks (possibly none), or ``None`` when too few blocks are free;
@@ -114,7 +116,7 @@ class KVCacheManager:
             blocks.extend(hits)
         new = self.block_pool.get_new_blocks(needed) if needed > 0 else []
         blocks.extend(new)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache:
             self._cache_full_blocks(request, blocks, total)
         return new
 
@@ -154,7 +156,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first: in the LRU free queue a chain's tail
         is then evicted before its parents, which other prompts are likelier to share."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.free_blocks(self.req_to_blocks.pop(request.request_id, []))
+
+    def detach(self, request_id: str) -> list[KVCacheBlock]:
+        """Take the request's blocks out of its name, still in use: a KV transfer holds them past
+        the request's end (``actors/kv_transfer.py``) and frees them with ``free_blocks``."""
+        return self.req_to_blocks.pop(request_id, [])
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         self.block_pool.free_blocks(list(reversed(blocks)))
 
     def reset_prefix_cache(self) -> int:

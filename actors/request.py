@@ -6,7 +6,7 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # guided; its grammar is still compiling
     WAITING_FOR_BEAMS = "waiting_for_beams"  # a beam that sampled; its siblings have not yet
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # a KV connector loads its prompt blocks
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -91,6 +92,9 @@ class Request:
     # With sampling_params.prompt_logprobs: prompt tokens 1.. as the prefill computed them.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     beam_group: BeamGroup | None = None  # the beam search this request is a beam of
+    # vLLM's disaggregated prefill/decode fields (``do_remote_decode``, ``remote_block_ids``...):
+    # the client's at arrival; at the end, what the KV connector returns for the response.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -22,6 +22,7 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.detokenizer import IncrementalDetokenizer
@@ -45,6 +46,7 @@ class GenerationDelta:
         prompt_logprobs: on the first delta of a request that asked, one per prompt token
             after the first.
         num_cached_tokens: on the first delta, prompt tokens found in the prefix cache.
+        kv_transfer_params: on the last delta, the KV connector's reply (vLLM's fields).
     """
 
     text: str
@@ -55,6 +57,7 @@ class GenerationDelta:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StreamState(enum.Enum):
@@ -174,7 +177,8 @@ class RequestStream:
             self._abort(finish)
         return GenerationDelta(text, out.new_token_ids, finish, self._request.num_prompt_tokens,
                                self._num_output, out.logprobs, out.prompt_logprobs,
-                               out.num_cached_tokens)
+                               out.num_cached_tokens, self._request.kv_transfer_params
+                               if out.finish_reason is not None else None)
 
     def close(self) -> None:
         """Stop reading: a live request is aborted and its blocks freed."""

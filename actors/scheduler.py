@@ -30,6 +30,7 @@ from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.inflight import InFlight, in_flight_depth
 from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_transfer import KVTransfer
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
@@ -55,6 +56,7 @@ from pagedserve.actors.stats import (
 from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.actors.structured_output import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
+from pagedserve.gpu.kv_connector.base import KVConnectorScheduler
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +67,7 @@ class Scheduler(Actor):
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, executor: Actor,
         max_model_len: int, stat_loggers: list[StatLogger] | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ):
         super().__init__()
         self.config = config
@@ -91,6 +94,13 @@ class Scheduler(Actor):
         self.inflight = InFlight(config, kv_cache_manager, self.planner, self.requests, executor,
                                  *in_flight_depth(config, executor), max_model_len,
                                  lambda: bool(self.beams.groups))
+        self.transfer = None if kv_connector is None else KVTransfer(  # actors/kv_transfer.py
+            kv_connector, kv_cache_manager, self.waiting, self.requests, self._execute,
+            self._finish)
+        self.planner.transfer = self.transfer
+        if self.transfer is not None and self.inflight.depth > 1:
+            raise ValueError("--async-scheduling does not combine with --kv-transfer-config "
+                             "(a transfer's empty steps run outside the flight): drop one")
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -98,7 +108,7 @@ class Scheduler(Actor):
         while True:
             if not self.has_unfinished_requests() and not self.inflight:
                 self._notify_idle()
-                self._handle(await self.mailbox.get())
+                await self._wait()
             self._drain_mailbox()
             if self.has_unfinished_requests() and self.inflight.has_room():
                 start = time.monotonic()
@@ -108,13 +118,19 @@ class Scheduler(Actor):
                     continue
                 self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
                 if not self.inflight:  # nothing fits now; wait for an abort or a new request
-                    if not self.beams.release_parked():  # unless parked beams held blocks
-                        self._handle(await self.mailbox.get())
+                    meta = so.kv_connector_metadata  # a KV transfer's loads, run while waiting
+                    if meta is not None or not self.beams.release_parked():  # else parked
+                        await self._wait(meta)  # beams gave blocks back: schedule again
                     continue
             if self.inflight:  # the oldest step's output (a failed one rerun request by request)
                 step, out = await self.inflight.land(self._execute_isolated)
                 self._record_step(step.so, out, step.start)
                 self.update_from_output(step.so, out)
+
+    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step outside the flight (a KV transfer's empty step); its reply."""
+        return await self.inflight.execute(so.scheduled, so.blocks_to_copy,
+                                           so.kv_connector_metadata)
 
     async def _execute_isolated(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """After a failed step, rerun each request alone: only the one that fails by itself is
@@ -137,10 +153,19 @@ class Scheduler(Actor):
             merged.sampled_token_ids.update(out.sampled_token_ids)
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.add_transfers(out)
         return merged
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.transfer and self.transfer.parked))
+
+    async def _wait(self, kv_connector_metadata: Any = None) -> None:
+        """Handle the next message (an abort, a new request); with KV transfers in flight, or
+        a step's connector metadata to run, return after those instead if no message comes."""
+        msg = await (self.mailbox.get() if self.transfer is None
+                     else self.transfer.receive(self.mailbox, kv_connector_metadata))
+        if msg is not None:
+            self._handle(msg)
 
     def _notify_idle(self) -> None:
         """Answer every ``NotifyWhenIdle``: nothing is running or waiting."""
@@ -239,10 +264,12 @@ class Scheduler(Actor):
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
             del self.waiting_for_grammar[request.request_id]
-        elif request.status != RequestStatus.WAITING_FOR_BEAMS:  # parked beams sit nowhere
+        elif request.status not in (RequestStatus.WAITING_FOR_BEAMS,  # parked: in no queue
+                                    RequestStatus.WAITING_FOR_REMOTE_KVS):
             self.waiting.remove(request)
+        if self.transfer is None or not self.transfer.finished(request):  # not held
+            self.inflight.free(request)  # at once, or when no step in flight writes them
         request.status = status
-        self.inflight.free(request)  # at once, or when no step in flight writes its blocks
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -271,6 +298,8 @@ class Scheduler(Actor):
                              blocks_to_copy=self.kv.take_blocks_to_copy())
         so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
             scheduled, self.requests)
+        if self.transfer is not None:
+            so.kv_connector_metadata = self.transfer.step_metadata(scheduled)
         self.finished_req_ids = set()
         return so
 
@@ -288,9 +317,10 @@ class Scheduler(Actor):
         self.spec_decode.verify_seconds += out.verify_seconds
         self.num_computed_tokens_total += so.total_num_scheduled_tokens
         now = time.monotonic()
+        drop = self.transfer.update_from_output(so, out) if self.transfer is not None else ()
         for sr in so.scheduled:
             request = self.requests.get(sr.req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != RequestStatus.RUNNING or sr.req_id in drop:
                 continue
             if sr.req_id in out.prompt_logprobs:
                 request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
@@ -385,6 +415,7 @@ class Scheduler(Actor):
                 self.planner.spec.seconds if self.planner.spec is not None else 0.0),
             max_batches_in_flight=self.inflight.max_batches_in_flight,
             num_scheduled_ahead_total=self.inflight.num_scheduled_ahead_total,
+            kv_transfer=self.transfer.snapshot() if self.transfer is not None else None,
         )
         pool = self.kv.block_pool
         kv = KVCacheStats(

@@ -276,6 +276,24 @@ class SchedulerStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     max_batches_in_flight: int = 0
     num_scheduled_ahead_total: int = 0
+    kv_transfer: KVTransferStats | None = None  # with a KV connector only
+
+
+@dataclass(slots=True)
+class KVTransferStats:
+    """A KV connector's work on this instance (``actors/kv_transfer.py``), in prompt tokens and
+    requests: tokens loaded vs computed, loads that failed, requests parked for a remote load,
+    and finished requests whose blocks are held for a consumer (with the blocks they hold)."""
+
+    connector: str
+    role: str
+    num_loaded_prompt_tokens_total: int = 0
+    num_computed_prompt_tokens_total: int = 0
+    num_failed_loads_total: int = 0
+    num_waiting_for_remote_kvs: int = 0
+    num_held_requests: int = 0
+    num_held_blocks: int = 0
+    num_hold_timeouts_total: int = 0
 
 
 @dataclass(slots=True)

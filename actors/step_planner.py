@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_transfer import KVTransfer, Lookup
 from pagedserve.actors.request import Request, RequestStatus
 from pagedserve.actors.request_queue import (
     FCFSRequestQueue,
@@ -56,6 +57,7 @@ class StepPlanner:
         self.preempt = preempt
         spec = config.speculative
         self.spec = make_proposer(spec, max_model_len) if spec is not None else None
+        self.transfer: KVTransfer | None = None  # the scheduler's, with a KV connector
 
     def plan(self) -> list[ScheduledRequest]:
         """The step's batch: running requests first, then admissions with the budget left."""
@@ -109,18 +111,24 @@ class StepPlanner:
         scheduled: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, n, hits) is None:
+            # Local prefix-cache hits, then (with a KV connector) the tokens it loads after them.
+            look = (Lookup(*self.kv.get_computed_blocks(request)) if self.transfer is None
+                    else self.transfer.lookup(request))
+            n = 0 if look.load_async else min(request.num_tokens - look.num_computed, budget)
+            if self.kv.allocate_slots(request, look.num_external + n, look.hits,
+                                      delay_cache=look.num_external > 0) is None:
                 break
-            self.kv.record_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = request.num_cached_tokens = num_hit_tokens
+            self.kv.record_lookup(request.num_tokens, look.num_local)
             self.waiting.pop()
+            if self.transfer is not None and self.transfer.admitted(request, look):
+                continue  # parked until its blocks are loaded (WAITING_FOR_REMOTE_KVS)
+            request.num_computed_tokens = look.num_computed
+            request.num_cached_tokens = look.num_local
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             sr = self._scheduled(request, n)
-            if num_hit_tokens:  # the runner never saw the cached prefix's tokens
-                sr.prefix_token_ids = request.all_token_ids[:num_hit_tokens]
+            if look.num_computed:  # the runner never saw the cached / loaded prefix's tokens
+                sr.prefix_token_ids = request.all_token_ids[:look.num_computed]
             scheduled.append(sr)
             budget -= n
         return scheduled

@@ -17,6 +17,8 @@ from pagedserve.gpu.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedserve.gpu.kv_connector.base import KVConnectorMetadata
+
 
 # A decode's input token when the scheduler built the step before the previous one's output
 # came (``--async-scheduling``): the token this runner sampled for the request last
@@ -144,6 +146,9 @@ class SchedulerOutput:
 
     ``blocks_to_copy``: ``(src, dst)`` KV block ids to copy before the forward pass (beam
     search's copy-on-write of a shared partial block; ``gpu/kv_cache.copy_blocks``).
+
+    ``kv_connector_metadata``: the KV connector's loads and saves for this step (its scheduler
+    half's ``build_connector_meta``); ``None`` without a connector or with nothing to move.
     """
 
     scheduled: list[ScheduledRequest]
@@ -151,6 +156,7 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -170,3 +176,14 @@ class ModelRunnerOutput:
     # rejection sampling), in a step that verified drafts; else 0.
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # KV connector (``gpu/kv_connector/``): requests whose blocks finished going out / coming
+    # in since the last step, and those whose load failed (recomputed or failed by policy).
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+    def add_transfers(self, other: ModelRunnerOutput) -> None:
+        """Take ``other``'s KV connector reports too (the scheduler's per-request reruns)."""
+        self.finished_sending |= other.finished_sending
+        self.finished_recving |= other.finished_recving
+        self.failed_recving |= other.failed_recving

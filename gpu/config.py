@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pagedserve.gpu.kv_connector.base import KVTransferConfig
+from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
+
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
 EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -103,6 +106,14 @@ class CacheConfig:
     prefix_caching_hash_algo: str = field(default="sha256", metadata={
         "help": "block hash for prefix caching (xxhash: 128-bit xxh3, faster)",
         "choices": ("sha256", "xxhash"),
+    })
+    # Here because both the scheduler (its connector half) and every rank's runner read it.
+    kv_transfer_config: KVTransferConfig | None = field(default=None, metadata={
+        "help": 'KV connector as JSON (vLLM\'s keys), e.g. \'{"kv_connector": '
+                '"SharedStorageConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+                '{"shared_storage_path": DIR}, "kv_load_failure_policy": "recompute", '
+                '"kv_hold_timeout_s": 120}\' (kv_role: kv_producer, kv_consumer or kv_both)',
+        "parse": parse_kv_transfer_config, "default_text": "off",
     })
 
 

@@ -21,6 +21,7 @@ from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.draft_model import DraftModel
 from pagedserve.gpu.dtype_choice import pick_dtype, pick_linear_plan, pick_quantization
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.parallel import weights as parallel_weights
@@ -103,6 +104,7 @@ class ModelRunner:
         self.token_ids: dict[str, list[int]] = {}
         self.prev_sampled = PrevSampled()
         self.draft = DraftModel(draft) if draft is not None else None
+        self.kv_connector: worker_step.ConnectorStep | None = None  # load(), when configured
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -121,6 +123,8 @@ class ModelRunner:
             self.draft.load(resolved.path, self.hf_config.vocab_size, self.attn_backend,
                             self.max_model_len, self.device, self.dtype)
         self._size_kv_cache(model_bytes)
+        self.kv_connector = worker_step.build_worker_connector(
+            self.cache_config.kv_transfer_config, self.kv_caches, self.parallel)
         if self.device.type == "cpu":
             self._log_memory()
         if self.device.type == "cuda" and not mc.enforce_eager and self.parallel is None:
@@ -285,6 +289,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step; with a KV connector, between its loads and saves (``worker_step``)."""
+        if self.kv_connector is None:
+            return self._execute_model(so)
+        return self.kv_connector.run(so, self._execute_model)
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One forward pass and sampling for every scheduled request."""
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)

@@ -35,6 +35,7 @@ import structlog
 from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
+from pagedserve.server.proxy import add_proxy_parser, proxy_main
 
 log = structlog.get_logger("pagedserve")
 
@@ -87,6 +88,7 @@ def build_parser() -> ServeParser:
     add_serve_flags(s)
     vllm_flags.add_vllm_flags(s)
     parser.serve = s
+    add_proxy_parser(sub)  # pagedserve proxy: disaggregated prefill/decode (server/proxy.py)
     return parser
 
 
@@ -177,6 +179,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    if args.command == "proxy":  # before torch is imported: the proxy only relays
+        return proxy_main(args)
     from pagedserve.gpu.loader import ModelLoadError  # after parsing: it imports torch
 
     try:

@@ -96,6 +96,10 @@ class _SamplingBody(StructuredOutputFields, _Body):
     priority: int = 0  # vLLM: lower runs earlier; needs --scheduling-policy priority
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache isolation
     return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
+    # vLLM's disaggregated prefill/decode fields (do_remote_decode, do_remote_prefill,
+    # remote_engine_id, remote_block_ids, remote_host, remote_port), for the KV connector;
+    # the answer carries the connector's reply under the same name.
+    kv_transfer_params: dict[str, Any] | None = None
     # vLLM's logprob and prompt fields (checks needing the vocabulary: server/prompts.py).
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = Field(default=None, min_length=1)

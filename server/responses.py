@@ -201,6 +201,7 @@ class _Tally:
     finish: list[str | None] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)  # prefix-cache hits, from the first delta
     prompt_lps: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None  # the first choice's, from its last delta
 
     def __post_init__(self) -> None:
         self.tokens, self.texts, self.finish = [0] * self.n, [""] * self.n, [None] * self.n
@@ -216,6 +217,8 @@ class _Tally:
             self.cached[i] = d.num_cached_tokens
         if d.prompt_logprobs is not None:
             self.prompt_lps[i] = d.prompt_logprobs
+        if i == 0 and d.kv_transfer_params is not None:
+            self.kv_transfer_params = d.kv_transfer_params
 
     def cached_tokens(self, n: int) -> int:
         """Prompt tokens the prefix cache held: per prompt, as its first choice found them."""
@@ -350,6 +353,8 @@ async def collect(builder: ResponseBuilder, streams: list[RequestStream],
         c["finish_reason"] = finish_reason(c["finish_reason"], called)
     body = builder.envelope(choices, chunk=False, prompt_lps=tally.prompt_lps[0])
     body["usage"] = builder.usage(sum(tally.tokens), tally.cached_tokens(builder.n))
+    if tally.kv_transfer_params is not None:  # vLLM's P/D field, for the decode instance
+        body["kv_transfer_params"] = tally.kv_transfer_params
     on_done(tally.summary())
     return body
 

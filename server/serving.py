@@ -176,7 +176,8 @@ class Serving:
                         n=body.n if i == 0 else 0)
                     streams.append(await self.engine.add_request(
                         f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
-                        priority=body.priority, cache_salt=body.cache_salt, grammar=grammar))
+                        priority=body.priority, cache_salt=body.cache_salt, grammar=grammar,
+                        kv_transfer_params=body.kv_transfer_params))
         except (EngineOverloaded, DuplicateRequestId) as e:
             close_all(streams)
             raise admission_error(e) from e

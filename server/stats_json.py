@@ -7,6 +7,7 @@ hand over raw values (seconds, fractions) in ``actors/stats.py``'s dataclasses.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from pagedserve.actors.stats import (
@@ -51,6 +52,8 @@ def scheduler_json(s: SchedulerStats) -> dict[str, Any]:
         "max_batches_in_flight": s.max_batches_in_flight,
         "num_scheduled_ahead_total": s.num_scheduled_ahead_total,
         "num_beam_forks_total": s.num_beam_forks_total,
+        # KV connector: prompt tokens loaded vs computed, parked and held (None without one).
+        "kv_transfer": asdict(s.kv_transfer) if s.kv_transfer is not None else None,
         "requests": [request_json(r) for r in s.requests],
     }
 

@@ -119,6 +119,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
         cache=CacheConfig(
             num_gpu_blocks_override=kw.pop("num_blocks", 256),
             block_size=kw.pop("block_size", 16),
+            kv_transfer_config=kw.pop("kv_transfer_config", None),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=kw.pop("max_num_seqs", 64),

@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # the flag parser reads KVTransferConfig and must not wait for torch
+    import torch
+
+    from pagedserve.gpu.batch import ScheduledRequest
 
 
-class KVRole(enum.Enum):
+class KVRole(str, enum.Enum):  # str: the effective config stays JSON
     PRODUCER = "kv_producer"  # prefill instance: saves / serves blocks
     CONSUMER = "kv_consumer"  # decode instance: loads blocks
     BOTH = "kv_both"
 
 
-class LoadFailurePolicy(enum.Enum):
+class LoadFailurePolicy(str, enum.Enum):
     """vLLM's ``kv_load_failure_policy``: what a consumer does when a load fails."""
 
     RECOMPUTE = "recompute"  # default: prefill the prompt locally, same output
@@ -64,6 +67,7 @@ class ConnectorRequest(Protocol):
     request_id: str
     prompt_token_ids: list[int]
     block_hashes: list[bytes]
+    num_computed_tokens: int  # tokens whose K/V is in the request's blocks (before this step)
     kv_transfer_params: dict[str, Any] | None
 
 
@@ -97,7 +101,13 @@ class KVConnectorScheduler:
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int,
     ) -> None:
         """Blocks were allocated for the request; ``block_ids`` is its whole block table and the
-        first ``num_external_tokens`` tokens past its local hits are to be loaded into them."""
+        first ``num_external_tokens`` tokens past its local hits are to be loaded into them.
+        Called at every admission while a connector is configured (``num_external_tokens`` may
+        be 0), so a producer learns of the requests it will save."""
+
+    def on_step_scheduled(self, scheduled: list[ScheduledRequest]) -> None:
+        """This step's batch, just before ``build_connector_meta``: which requests compute
+        which tokens into which blocks (a producer saves the prompt blocks a step completes)."""
 
     def build_connector_meta(self) -> KVConnectorMetadata | None:
         """This step's loads and saves (``None``: nothing to do; the worker half is not called)."""
@@ -134,6 +144,12 @@ class KVConnectorWorker:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` request ids since the last call."""
         return set(), set()
+
+    def get_failed_loads(self) -> set[str]:
+        """Request ids whose load failed since the last call (a missing, truncated or corrupt
+        block): their blocks hold nothing valid past the local hits, and the scheduler
+        recomputes or fails them (``kv_load_failure_policy``)."""
+        return set()
 
     def shutdown(self) -> None:
         """Close sockets, threads and files."""

@@ -210,7 +210,8 @@ async def test_stats_json_shape(client):
         "num_waiting", "num_waiting_for_grammar", "num_running", "num_preempted_total",
         "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",
         "num_computed_tokens_total", "policy", "requests", "num_beam_forks_total",
-        "spec_decode", "max_batches_in_flight", "num_scheduled_ahead_total"}
+        "spec_decode", "max_batches_in_flight", "num_scheduled_ahead_total",
+        "kv_transfer"}  # kv_transfer: null without a KV connector
     assert set(s["scheduler"]["spec_decode"]) == {
         "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
         "acceptance_rate_per_pos", "mean_acceptance_length", "draft_time_s", "verify_time_s"}
