@@ -27,6 +27,7 @@ from pagedserve.actors.beam_search import BeamSearch
 from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_event_publisher import KVEventPublisher
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
@@ -86,11 +87,13 @@ class Scheduler(Actor):
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
         self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
                                    self._finish)
+        self.kv_events = KVEventPublisher(kv_cache_manager.block_pool)  # to the dp router
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
+            self.kv_events.flush(len(self.running), len(self.waiting))  # no sink: a no-op
             if not self.has_unfinished_requests():
                 self._notify_idle()
                 self._handle(await self.mailbox.get())

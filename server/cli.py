@@ -122,9 +122,9 @@ def _read_template(value: str | None) -> str | None:
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
-    from pagedserve.actors.engine import AsyncEngine
+    from pagedserve.actors.dp_config import DataParallelConfig
     from pagedserve.server.app import build_app
-    from pagedserve.server.launch import hypercorn_config
+    from pagedserve.server.launch import hypercorn_config, start_engine
 
     server = from_args(ServerConfig, args)
     if args.vllm_ignored:
@@ -134,7 +134,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.api_key is None and not _is_loopback(server.host):
         log.warning("no_api_key_on_public_address", host=server.host,
                     hint="anyone who reaches this address can use the server: set --api-key")
-    engine = await AsyncEngine.start(engine_config(args))
+    engine = await start_engine(engine_config(args), from_args(DataParallelConfig, args))
     # The served name's one home is ServingConfig; the model's own name is only its default.
     served = args.served_model_name or engine.info.served_name
     serving = from_args(ServingConfig, args, served_model_name=served,
