@@ -214,9 +214,7 @@ class DataParallelEngine:
         per_engine = list(await asyncio.gather(*(one(k) for k in range(len(self.engines)))))
         routing = [EngineRouting(v.index, v.num_routed, len(v.cached), v.load, v.failed)
                    for v in self.router.engines]
-        stats = total_stats(per_engine, routing, self.router.policy, time.time())
-        stats.config = self.effective_config() | {"data_parallel": stats.config["data_parallel"]}
-        return stats
+        return total_stats(per_engine, routing, self.router.policy, time.time())
 
     def effective_config(self) -> dict[str, Any]:
         """Engine 0's settings in force (every engine runs the same), with the group's."""
