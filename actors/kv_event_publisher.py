@@ -11,9 +11,12 @@ Who calls what:
   nobody listens to (a single-engine server) pays one ``is None`` test per hashed block and
   one call per step, nothing more.
 - The scheduler calls ``flush(num_running, num_waiting)`` at the top of each loop turn (after
-  a step, and before it waits idle for its mailbox): the events of the turn go out as one
-  batch, with an ``EngineLoad`` first when either count changed since the last one pushed (so
-  the router's loads are pushed on change, never polled).
+  a step, and before it waits idle for its mailbox) and once it has drained its mailbox
+  (before the step): the events since go out as one batch, with an ``EngineLoad`` first when
+  either count changed since the last one pushed. So the router's loads are pushed on change,
+  never polled, and a request that arrives and ends within one step is seen arriving (in the
+  drain's flush) and leaving (in the step's), which the router needs to drop the count it
+  added when it sent the request.
 
 Consecutive events of one kind are merged (``BlockStored([a]), BlockStored([b])`` goes out as
 ``BlockStored([a, b])``); order across kinds is kept, so a hash removed then stored again in

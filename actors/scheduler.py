@@ -98,6 +98,7 @@ class Scheduler(Actor):
                 self._notify_idle()
                 self._handle(await self.mailbox.get())
             self._drain_mailbox()
+            self.kv_events.flush(len(self.running), len(self.waiting))  # the new arrivals
             if not self.has_unfinished_requests():
                 continue
             start = time.monotonic()

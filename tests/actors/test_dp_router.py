@@ -153,3 +153,35 @@ def test_bad_settings_are_refused():
         DPRouter(2, "random")
     with pytest.raises(ValueError, match="at least one"):
         DPRouter(0)
+
+
+async def test_a_real_engine_pushes_its_load_and_blocks(tiny_model_dir):
+    """Through a real engine: a one-step request (max_tokens=1) is seen arriving and leaving,
+    so the count the router adds when it sends a request does not stick; its prompt blocks
+    arrive as stored hashes, and a reset clears them."""
+    from pagedserve.actors.engine import AsyncEngine
+    from tests.conftest import engine_config
+
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir))
+    try:
+        router = DPRouter(1, "prefix", 16)
+        batches: list[KVEventBatch] = []
+        engine.add_kv_event_sink(router.on_kv_events)
+        engine.add_kv_event_sink(batches.append)
+        prompt = list(range(100, 140))  # two full blocks
+        for max_tokens in (3, 1):  # the one-step request second: a push is owed to it
+            d = router.route(prompt)
+            assert router.engines[0].load == 1
+            async for _ in engine.generate(f"r{max_tokens}", prompt,
+                                           SamplingParams(temperature=0, max_tokens=max_tokens)):
+                pass
+            await engine.wait_idle()
+            assert router.engines[0].load == 0
+        assert d.matched_blocks == 2  # the second time, both blocks were known cached
+        assert router.engines[0].cached == set(router.prompt_hashes(prompt))
+        assert any(EngineLoad(0, 1) in b.events for b in batches)  # pushed on arrival
+        assert await engine.reset_prefix_cache() > 0
+        await engine.wait_idle()  # answered after the reset's loop turn has flushed
+        assert router.engines[0].cached == set()
+    finally:
+        await engine.shutdown()
