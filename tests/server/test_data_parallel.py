@@ -204,3 +204,36 @@ async def test_a_dead_engine_leaves_the_group_degraded(tiny_model_dir):
                 assert s["engines"][0]["num_routed"] >= 3
     finally:
         await engine.shutdown()
+
+
+def test_serve_flags_start_the_group_and_sigterm_stops_it(tiny_model_dir, tmp_path):
+    """``pagedserve serve -dp 2 --data-parallel-routing round-robin``: two engines with one
+    thread each (of PAGEDSERVE_CPU_THREADS=2), requests alternate, SIGTERM exits 0."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from pagedserve.server.launch import start_server_process
+
+    log = (tmp_path / "server.log").open("w")
+    proc, url = start_server_process(
+        [str(tiny_model_dir), "--max-model-len", "256", "-dp", "2",
+         "--data-parallel-routing", "round-robin"],
+        env={**os.environ, "PAGEDSERVE_CPU_THREADS": "2"}, stdout=log,
+        stderr=subprocess.STDOUT)
+    try:
+        for _ in range(2):
+            body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200
+        with urllib.request.urlopen(f"{url}/admin/stats", timeout=60) as r:
+            s = json.load(r)
+        assert s["data_parallel"] == {"size": 2, "routing": "round-robin"}
+        assert [e["num_routed"] for e in s["engines"]] == [1, 1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    text = (tmp_path / "server.log").read_text()
+    assert text.count("threads=1") >= 2 and "data_parallel_ready" in text
