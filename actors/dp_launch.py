@@ -112,29 +112,46 @@ async def start_engine(config: EngineConfig, dp: DataParallelConfig,
     dp.check()
     if not dp.in_processes:
         return await AsyncEngine.start(config)
+    return await start_engine_processes(config, dp, log_level)
+
+
+async def start_engine_processes(config: EngineConfig, dp: DataParallelConfig,
+                                 log_level: str = "info") -> RoundRobinEngines:
+    """Every rank as an engine-core process (``dp=1`` too: ``loadtest/bench_dp.py`` measures
+    the split's cost with it); the router over their clients once all have registered."""
     remote = dp.size_local < dp.data_parallel_size
     hub = EngineCoreHub(dp.data_parallel_address if remote else "127.0.0.1",
                         dp.data_parallel_rpc_port if remote else 0)
     local: list[LocalEngine] = []
+    # A folder's tokenizer loads here while the engines load; a .gguf or a hub id is resolved
+    # (converted, downloaded) by the engines first, then found in the cache.
+    folder = config.model.model is not None and Path(config.model.model).is_dir()
+    tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, config)
+                                      if folder else asyncio.sleep(0))
     try:
         local = await spawn_local(config, dp, hub.address, log_level)
         for engine in local:
             engine.exited.add_done_callback(
                 lambda _, e=engine: hub.lose(e.rank, e.exit_reason()))
         registered = await hub.wait_for_engines(dp.data_parallel_size)
-        path = Path(registered[0].info.path)
-        if not path.exists():  # a headless node's path: resolve the model here too
-            path = loader.resolve_model(config.model.model).path
-        tokenizer = await asyncio.to_thread(loader.load_tokenizer, path)
+        if not folder:
+            tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, config))
+        await tokenizer
     except BaseException:
+        tokenizer.cancel()
         await asyncio.gather(*(e.stop(signal.SIGKILL) for e in local))
         hub.close()
         raise
     by_rank = {e.rank: e for e in local}
-    clients = [EngineCoreClient(hub, registered[i], config, tokenizer,
+    clients = [EngineCoreClient(hub, registered[i], config, tokenizer.result(),
                                 by_rank[i].stop if i in by_rank else None)
                for i in range(dp.data_parallel_size)]
     return RoundRobinEngines(clients)
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    """The model's tokenizer, resolved on this node as the engines resolve the model."""
+    return loader.load_tokenizer(loader.resolve_model(config.model.model).path)
 
 
 async def run_headless(config: EngineConfig, dp: DataParallelConfig,
