@@ -209,6 +209,7 @@ class EngineCoreClient:
         try:
             accepted: m.AcceptedMsg = await self._ask(stream._rid, msg)  # noqa: SLF001
         except BaseException:
+            self._pending.pop(stream._rid, None)  # noqa: SLF001
             stream.close()
             raise
         if accepted.error is not None:

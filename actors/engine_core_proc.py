@@ -105,14 +105,27 @@ class EngineCoreServer:
         beat = asyncio.create_task(self._heartbeat())
         recv = asyncio.create_task(self._receive())
         stop = asyncio.create_task(self.stopped.wait())
+        gone = asyncio.create_task(self._front_gone())
         try:
-            await asyncio.wait([recv, stop], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([recv, stop, gone], return_when=asyncio.FIRST_COMPLETED)
             if recv.done():
                 recv.result()  # a receive loop that raised says why here
         finally:
-            for task in (beat, recv, stop, *self.tasks.values()):
+            for task in (beat, recv, stop, gone, *self.tasks.values()):
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def _front_gone(self) -> None:
+        """Until the connection to the front closes (it exited or was killed): then this
+        engine's work is over, and a headless node's engine stops rather than queue outputs
+        for a front that will not read them."""
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            await monitor.recv_multipart()
+            log.warning("engine_core_front_gone", hint="the API server's connection closed")
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _heartbeat(self) -> None:
         while True:

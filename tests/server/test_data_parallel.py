@@ -103,6 +103,10 @@ async def test_dp2_greedy_equals_dp1(loopback_dp2, tiny_model_dir):
         dp2 = await asyncio.gather(*(chat(client, p, max_tokens=24) for p in PROMPTS))
     async with serve(tiny_model_dir, max_model_len=512, num_blocks=256) as client:
         dp1 = await asyncio.gather(*(chat(client, p, max_tokens=24) for p in PROMPTS))
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text  # the cores' stats, forwarded
+    generated = re.search(r"^pagedserve:generation_tokens_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert generated and float(generated.group(1)) >= sum(
+        r["usage"]["completion_tokens"] for r in dp2), metrics[:2000]
     for one, two in zip(dp1, dp2):
         assert two["choices"][0]["token_ids"] == one["choices"][0]["token_ids"]
         assert two["choices"][0]["message"] == one["choices"][0]["message"]
