@@ -8,8 +8,8 @@ socket is what the HTTP layer already gets back from an engine: ``GenerationDelt
 ``BeamSearchOutput``, stats records, KV events.
 
 Codec: any dataclass of the allow-list below (the messages and the types they carry) travels
-as a msgpack extension ``[type name, *init fields]``, nested as deep as it goes; enums and sets
-likewise. Decoding builds only allow-listed types, never arbitrary classes (no pickle). Tuples
+as an array ``[marker, type name, *init fields]`` (the marker a msgpack extension no plain value
+can be), nested as deep as it goes, all in one ``packb`` pass; enums and sets as extensions. Decoding builds only allow-listed types, never arbitrary classes (no pickle). Tuples
 come back as lists.
 
 Front → core: ``AddRequestMsg``, ``BeamSearchMsg``, ``AbortMsg``, ``CallMsg``, ``SubscribeMsg``,
@@ -253,11 +253,16 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 _ENUMS: dict[str, type[enum.Enum]] = {}  # none travel yet; add an enum's class here
 
 
-def _default(obj: Any) -> msgpack.ExtType:
+_MARK = object()  # what the marker extension decodes to, at the head of a dataclass's array
+_MARKER = msgpack.ExtType(_DATACLASS, b"")
+
+
+def _default(obj: Any) -> Any:
+    """A dataclass becomes ``[marker, type name, *init fields]``, packed in the same pass (no
+    nested ``packb``): ``_list_hook`` turns such arrays back into the dataclass."""
     names = _FIELDS.get(type(obj))
     if names is not None:
-        values = [type(obj).__name__, *(getattr(obj, n) for n in names)]
-        return msgpack.ExtType(_DATACLASS, msgpack.packb(values, default=_default))
+        return [_MARKER, type(obj).__name__, *(getattr(obj, n) for n in names)]
     if isinstance(obj, enum.Enum) and type(obj).__name__ in _ENUMS:
         return msgpack.ExtType(_ENUM, msgpack.packb([type(obj).__name__, obj.value]))
     if isinstance(obj, (set, frozenset)):
@@ -266,15 +271,22 @@ def _default(obj: Any) -> msgpack.ExtType:
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
-    values = msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
     if code == _DATACLASS:
-        cls = _TYPES[values[0]]  # KeyError: not allow-listed
-        return cls(**dict(zip(_FIELDS[cls], values[1:])))
+        return _MARK
+    values = msgpack.unpackb(data, ext_hook=_ext_hook, list_hook=_list_hook,
+                             strict_map_key=False)
     if code == _ENUM:
         return _ENUMS[values[0]](values[1])
     if code == _SET:
         return set(values)
     return msgpack.ExtType(code, data)
+
+
+def _list_hook(values: list) -> Any:
+    if not values or values[0] is not _MARK:
+        return values
+    cls = _TYPES[values[1]]  # KeyError: not allow-listed
+    return cls(*values[2:])  # the init fields, in order
 
 
 def encode(msg: Any) -> bytes:
@@ -284,4 +296,4 @@ def encode(msg: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     """The message ``encode`` made."""
-    return msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+    return msgpack.unpackb(data, ext_hook=_ext_hook, list_hook=_list_hook, strict_map_key=False)
