@@ -9,8 +9,9 @@ socket is what the HTTP layer already gets back from an engine: ``GenerationDelt
 
 Codec: any dataclass of the allow-list below (the messages and the types they carry) travels
 as an array ``[marker, type name, *init fields]`` (the marker a msgpack extension no plain value
-can be), nested as deep as it goes, all in one ``packb`` pass; enums and sets as extensions. Decoding builds only allow-listed types, never arbitrary classes (no pickle). Tuples
-come back as lists.
+can be), nested as deep as it goes, all in one ``packb`` pass; enums and sets as extensions.
+Decoding builds only allow-listed types, never arbitrary classes (no pickle). Tuples come
+back as lists.
 
 Front → core: ``AddRequestMsg``, ``BeamSearchMsg``, ``AbortMsg``, ``CallMsg``, ``SubscribeMsg``,
 ``ShutdownMsg``. Core → front: ``RegisterMsg`` / ``StartFailedMsg`` (once), ``AcceptedMsg`` (per
@@ -236,7 +237,8 @@ def raise_wire_error(error: WireError) -> None:
 _DATACLASS, _ENUM, _SET = 1, 2, 3
 
 _ALLOWED: tuple[type, ...] = (
-    WireError, CoreSpec, AddRequestMsg, BeamSearchMsg, AbortMsg, CallMsg, SubscribeMsg, ShutdownMsg,
+    WireError, CoreSpec, AddRequestMsg, BeamSearchMsg, AbortMsg, CallMsg, SubscribeMsg,
+    ShutdownMsg,
     RegisterMsg, StartFailedMsg, AcceptedMsg, StreamItem, OutputsMsg, ReplyMsg, StatsMsg,
     KVEventsMsg, HeartbeatMsg,
     SamplingParams, StructuredOutputsParams, BeamSearchParams, GenerationDelta, TokenLogprobs,

@@ -2,10 +2,10 @@
 replica, vLLM's ``EngineCoreProc`` in ``vllm/v1/engine/core.py``, read to learn only).
 
 Started by ``actors/dp_launch.py`` (``python -m pagedserve.actors.engine_core_proc``, its
-``engine_core_messages.CoreSpec`` in ``$PAGEDSERVE_ENGINE_CORE_SPEC``), on the API server's machine or on a
-``--headless`` node. It loads the model, connects a DEALER socket (identity ``engine-<k>``) to
-the front's ROUTER (``actors/engine_core_hub.py``), sends ``RegisterMsg`` and then serves
-``actors/engine_core_messages.py``'s messages until ``ShutdownMsg``, SIGTERM, or its parent's
+``engine_core_messages.CoreSpec`` in ``$PAGEDSERVE_ENGINE_CORE_SPEC``), on the API server's
+machine or on a ``--headless`` node. It loads the model, connects a DEALER socket (identity
+``engine-<k>``) to the front's ROUTER (``actors/engine_core_hub.py``), sends ``RegisterMsg``
+and then serves ``actors/engine_core_messages.py``'s messages until ``ShutdownMsg``, SIGTERM, or its parent's
 death (``PR_SET_PDEATHSIG``: no engine outlives the process that started it).
 
 Each request is one task here that reads the engine's ``RequestStream`` and adds its deltas to
