@@ -5,8 +5,9 @@ Started by ``actors/dp_launch.py`` (``python -m pagedserve.actors.engine_core_pr
 ``engine_core_messages.CoreSpec`` in ``$PAGEDSERVE_ENGINE_CORE_SPEC``), on the API server's
 machine or on a ``--headless`` node. It loads the model, connects a DEALER socket (identity
 ``engine-<k>``) to the front's ROUTER (``actors/engine_core_hub.py``), sends ``RegisterMsg``
-and then serves ``actors/engine_core_messages.py``'s messages until ``ShutdownMsg``, SIGTERM, or its parent's
-death (``PR_SET_PDEATHSIG``: no engine outlives the process that started it).
+and then serves ``actors/engine_core_messages.py``'s messages until ``ShutdownMsg``, SIGTERM,
+its parent's death (``PR_SET_PDEATHSIG``: no engine outlives the process that started it) or
+the front's connection closing.
 
 Each request is one task here that reads the engine's ``RequestStream`` and adds its deltas to
 an outbox; the outbox goes out as one ``OutputsMsg`` per engine step: the stream tasks that a
