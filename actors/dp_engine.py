@@ -7,8 +7,9 @@ engine ``DPRouter`` picks (``actors/dp_router.py``, fed by each engine's KV even
 each engine's plus totals (``actors/dp_stats.py``); ``reset_prefix_cache``, ``drain``,
 ``wait_idle`` and ``shutdown`` reach every engine.
 
-The engines are given as a list: in-process ``AsyncEngine``s here (each with its own scheduler,
-KV pool and executor thread), engine-core clients of other processes where those exist. An
+The engines are given as a list, index = data-parallel rank: the ``EngineCoreClient``s of the
+engine-core processes (``actors/dp_launch.py`` builds the group once every rank, local or on a
+``--headless`` node, has registered); any object with ``AsyncEngine``'s interface serves. An
 engine whose ``failure`` is set is never routed to again; the group is ``degraded`` while some
 but not all have failed, and failed (``failure``) once none is left.
 
@@ -21,10 +22,9 @@ prompt blocks.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing
 from typing import Any
 
 import structlog
@@ -33,11 +33,10 @@ from pagedserve.actors.beam_group import BeamSearchStream
 from pagedserve.actors.beam_search import BeamSearchParams
 from pagedserve.actors.dp_router import DPRouter, NoEngineLeft, RoutingDecision
 from pagedserve.actors.dp_stats import DataParallelStats, EngineRouting, total_stats
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine import EngineConfig
 from pagedserve.actors.request_stream import GenerationDelta, RequestStream
 from pagedserve.actors.stats import EngineStats, StatLogger
 from pagedserve.actors.structured_output import CompiledConstraint
-from pagedserve.gpu import cpu_threads
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
@@ -64,29 +63,6 @@ class DataParallelEngine:
         # Choices 1..n-1 of a request with n > 1, by id base: (engine, choices still to come).
         self._pins: dict[str, list[int]] = {}
         self._watchers = [asyncio.ensure_future(self._watch(k)) for k in range(len(engines))]
-
-    @classmethod
-    async def start(cls, config: EngineConfig, size: int, policy: str = "prefix",
-                    threads_per_engine: int | None = None) -> DataParallelEngine:
-        """Start ``size`` in-process engines of ``config``, one after the other, each with
-        ``threads_per_engine`` forward-pass threads (default: ``cpu_threads() // size``, one at
-        least; fixed, no thread governor: two governors would trade the same cores).
-
-        Raises:
-            As ``AsyncEngine.start``; the engines started before the failing one are stopped.
-        """
-        threads = threads_per_engine or max(1, cpu_threads.cpu_threads() // size)
-        engines: list[AsyncEngine] = []
-        try:
-            with _threads_env(threads):
-                for _ in range(size):
-                    engines.append(await AsyncEngine.start(config))
-        except BaseException:
-            for engine in engines:
-                await engine.shutdown()
-            raise
-        log.info("data_parallel_ready", size=size, routing=policy, threads_per_engine=threads)
-        return cls(engines, policy)
 
     # -- failure ------------------------------------------------------------------------------
 
@@ -146,8 +122,8 @@ class DataParallelEngine:
         self.failed_engines()  # mark any engine that failed since the last request
         try:
             decision: RoutingDecision = self.router.route(prompt_token_ids, cache_salt)
-        except NoEngineLeft as e:
-            raise RuntimeError(str(e)) from None
+        except NoEngineLeft as e:  # a 503, with every engine's reason
+            raise NoEngineLeft(self.failure or str(e)) from None
         if n > 1:
             self._pins[base] = [decision.engine, n - 1]
         log.info("routed", request_id=request_id, **decision.log_fields())
@@ -241,19 +217,3 @@ class DataParallelEngine:
                   if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-
-
-@contextmanager
-def _threads_env(threads: int):
-    """``PAGEDSERVE_CPU_THREADS=threads`` while the engines start (each runner reads it once,
-    at load), then as it was."""
-    env = cpu_threads.THREADS_ENV
-    before = os.environ.get(env)
-    os.environ[env] = str(threads)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = before

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedserve.actors.errors import EngineOverloaded
 from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, BlockHash, extend_block_hashes
 from pagedserve.actors.kv_events import (
     AllBlocksCleared,
@@ -46,8 +47,9 @@ ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
 PREFIX_LOAD_THRESHOLD = 8
 
 
-class NoEngineLeft(RuntimeError):
-    """Every engine of the group has failed."""
+class NoEngineLeft(EngineOverloaded):
+    """Every engine of the group has failed: the server answers 503 (``server/admission.py``
+    maps an ``EngineOverloaded`` to an OpenAI-shaped 503), not a 500."""
 
 
 @dataclass(slots=True)

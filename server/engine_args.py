@@ -51,8 +51,8 @@ if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not 
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
-    ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, StructuredOutputConfig,
-    ServingConfig, ServerConfig, DataParallelConfig,
+    ModelConfig, CacheConfig, ParallelConfig, DataParallelConfig, SchedulerConfig,
+    StructuredOutputConfig, ServingConfig, ServerConfig,
 )
 
 C = TypeVar("C")

@@ -11,15 +11,13 @@ import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import h11
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from hypercorn.protocol.h11 import H11Protocol
 
-from pagedserve.actors.dp_config import DataParallelConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.app import build_app
 from pagedserve.server.errors import error_body
 from pagedserve.server.serving import ServingConfig
@@ -59,19 +57,6 @@ async def _send_openai_error_response(self: H11Protocol, status_code: int) -> No
     await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
     await self._send_h11_event(h11.Data(data=body))
     await self._send_h11_event(h11.EndOfMessage())
-
-
-async def start_engine(config: EngineConfig, dp: DataParallelConfig | None = None) -> Any:
-    """The engine the server fronts: one ``AsyncEngine``, or with ``--data-parallel-size`` N > 1
-    a ``DataParallelEngine`` of N in-process engines routed by ``--data-parallel-routing``."""
-    if dp is None or dp.data_parallel_size == 1:
-        return await AsyncEngine.start(config)
-    if dp.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size {dp.data_parallel_size}: give 1 or more")
-    from pagedserve.actors.dp_engine import DataParallelEngine
-
-    return await DataParallelEngine.start(config, dp.data_parallel_size,
-                                          dp.data_parallel_routing)
 
 
 @asynccontextmanager

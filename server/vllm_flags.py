@@ -12,7 +12,7 @@ MODEL. Two kinds:
   TLS, another tokenizer, quantized checkpoints): ``serve`` exits with the
   flag and what pagedserve does instead, under ``serve``'s usage line.
 
-A flag's value that makes it harmless (``--kv-cache-dtype auto``)
+A flag's value that makes it harmless (``--cpu-offload-gb 0``, ``--kv-cache-dtype auto``)
 is in ``HARMLESS_VALUES``. Names are vLLM's (``vllm/engine/arg_utils.py``,
 ``vllm/entrypoints/openai/cli_args.py``); none is a pagedserve flag (a test holds them apart).
 """

@@ -234,15 +234,16 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
         await page.close()
 
 
-async def test_dashboard_shows_engines_side_by_side(browser, tiny_model_dir):
-    """Data parallelism (two engines): the engines panel has a column per engine, and the
-    request sent shows up in one engine's routed count."""
+async def test_dashboard_shows_engines_side_by_side(browser, tiny_model_dir, tmp_path):
+    """Data parallelism (two engine processes): the engines panel has a column per engine,
+    and the request sent shows up in one engine's routed count."""
+    import httpx
     from playwright.async_api import expect
 
-    from tests.server.test_data_parallel import serve_dp
+    from tests.server.test_data_parallel import dp_server
 
-    async with serve_dp(tiny_model_dir) as client:
-        base = str(client.base_url).rstrip("/")
+    with dp_server(tiny_model_dir, logs=tmp_path) as (_, base):
+        client = httpx.AsyncClient(base_url=base, timeout=120)
         page = await browser.new_page(viewport={"width": 1280, "height": 1100})
         seen = watch_requests(page, base)
         await page.goto(base + "/admin")
@@ -256,3 +257,4 @@ async def test_dashboard_shows_engines_side_by_side(browser, tiny_model_dir):
         await page.screenshot(path=ARTIFACTS / "admin-dp.png", full_page=True)
         assert_offline(seen, base)
         await page.close()
+        await client.aclose()
