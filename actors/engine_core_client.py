@@ -303,6 +303,7 @@ class EngineCoreClient:
         """Tell the core to stop (``actors/dp_launch.py`` waits for local processes)."""
         if self._closed:
             return
+        self._hub.stopping.add(self.engine_index)
         self.send(m.ShutdownMsg())
         self._closed = True
         self._end_all(EngineShuttingDown("server shutting down"))

@@ -77,6 +77,7 @@ class EngineCoreHub:
         self.on_message: dict[int, Callable[[object], None]] = {}
         self.on_lost: dict[int, Callable[[str], None]] = {}
         self.released: set[int] = set()
+        self.stopping: set[int] = set()  # told to shut down: their connection closing is no fault
         self._last_seen: dict[int, float] = {}
         self._changed = asyncio.Event()
         self._timeout = heartbeat_timeout()
@@ -98,7 +99,10 @@ class EngineCoreHub:
         if index in self.lost or index in self.released:
             return
         self.lost[index] = reason
-        log.error("engine_lost", engine=index, reason=reason)
+        if index in self.stopping:
+            log.info("engine_exited", engine=index, reason=reason)
+        else:
+            log.error("engine_lost", engine=index, reason=reason)
         self._changed.set()
         callback = self.on_lost.get(index)
         if callback is not None:
