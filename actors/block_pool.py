@@ -9,6 +9,10 @@ the LRU order of cached-but-unused blocks (evicted from the head).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.actors.kv_event_publisher import KVEventPublisher
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +82,9 @@ class BlockPool:
 
     A freed block keeps its hash and stays findable until it is handed out again: the free
     queue's head is the least recently used cached block, evicted first.
+
+    ``kv_events``: when set (someone listens to this engine's KV events, the data-parallel
+    router), every hash indexed, evicted or reset is recorded there; ``None`` costs nothing.
     """
 
     def __init__(self, num_blocks: int):
@@ -89,6 +96,7 @@ class BlockPool:
         # Blocks held by more than one request (prefix-cache hits in use by several, beams
         # forked from one parent): kept up to date on every ref-count change, O(1) to read.
         self.num_shared_blocks = 0
+        self.kv_events: KVEventPublisher | None = None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -98,6 +106,8 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if self.kv_events is not None:
+                self.kv_events.stored(block_hash)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference to prefix-cache hits; an unused hit leaves the free queue."""
@@ -111,6 +121,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
@@ -118,6 +130,8 @@ class BlockPool:
         dropped = [b for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0]
         for block in dropped:
             self._evict(block)
+        if self.kv_events is not None and not self.cached_block_hash_to_block:
+            self.kv_events.cleared()  # one event in place of a BlockRemoved per hash
         return len(dropped)
 
     @property

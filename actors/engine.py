@@ -26,6 +26,7 @@ from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.executor import Executor, make_executor
 from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_events import KVEventSink
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
@@ -145,6 +146,13 @@ class AsyncEngine:
         """Have ``logger`` see every step (from the scheduler) and every request update (from
         the request tasks). Meant for start-up, before requests arrive."""
         self.stat_loggers.append(logger)
+
+    def add_kv_event_sink(self, sink: KVEventSink, engine_index: int | None = None) -> None:
+        """Have ``sink`` get this engine's KV events, a batch per scheduler step
+        (``actors/kv_event_publisher.py``), stamped ``engine_index`` when given. Start-up only."""
+        if engine_index is not None:
+            self.scheduler.kv_events.engine_index = engine_index
+        self.scheduler.kv_events.add_sink(sink)
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -30,6 +30,7 @@ from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.inflight import InFlight, in_flight_depth
 from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv_event_publisher import KVEventPublisher
 from pagedserve.actors.kv_transfer import KVTransfer
 from pagedserve.actors.messages import (
     AbortAll,
@@ -93,15 +94,18 @@ class Scheduler(Actor):
         if self.transfer is not None and self.inflight.depth > 1:
             raise ValueError("--async-scheduling does not combine with --kv-transfer-config "
                              "(a transfer's empty steps run outside the flight): drop one")
+        self.kv_events = KVEventPublisher(kv_cache_manager.block_pool)  # to the dp router
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
+            self.kv_events.flush(len(self.running), len(self.waiting))  # no sink: a no-op
             if not self.has_unfinished_requests() and not self.inflight:
                 self._notify_idle()
                 await self._wait()
             self._drain_mailbox()
+            self.kv_events.flush(len(self.running), len(self.waiting))  # the new arrivals
             if self.has_unfinished_requests() and self.inflight.has_room():
                 start = time.monotonic()
                 so = self.schedule()

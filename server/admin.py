@@ -5,6 +5,10 @@ Every figure comes from the scheduler actor by message (``AsyncEngine.get_stats`
 from the engine's stat loggers; nothing here reads actor state directly. The typed stats become
 JSON in ``server/stats_json.py``, on their way out.
 
+With data parallelism (``actors/dp_engine.py``) the stats are the group's totals with an
+``engines`` list (each engine's own figures and the router's view of it) and ``/metrics``
+labels each series ``engine="k"``.
+
 Access: when an admin key is set, ``/admin/stats``, ``/admin/events`` and ``/metrics`` need
 ``Authorization: Bearer <admin key>``; with no admin key but an API key, they need the API key.
 The HTML pages and their scripts hold no data and stay open (a browser cannot put a bearer
@@ -45,10 +49,16 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
                  api_key: str | None, metrics_prefix: str = "pagedserve") -> list[BaseRoute]:
-    """The routes; registers the Prometheus stat logger with ``engine``."""
+    """The routes; registers the Prometheus stat logger with ``engine`` (with data
+    parallelism, one per engine: its series carry ``engine="k"``)."""
+    group = getattr(engine, "engines", None)  # a DataParallelEngine's engines
     metrics = PrometheusStatLogger(model_name, metrics_prefix, engine.effective_config()["cache"],
-                                   engine.info.max_model_len)
-    engine.add_stat_logger(metrics)
+                                   engine.info.max_model_len, len(group) if group else 1)
+    if group and len(group) > 1:
+        for k, member in enumerate(group):
+            member.add_stat_logger(metrics.for_engine(k))
+    else:
+        engine.add_stat_logger(metrics)
     guard = _bearer_guard(admin_key or api_key)
 
     async def stats(request: Request) -> Response:

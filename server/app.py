@@ -50,7 +50,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         return JSONResponse({"version": _version()})
 
     async def health(request: Request) -> Response:
-        return Response(status_code=503 if engine.failure else 200)
+        return health_response(engine)
 
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         return JSONResponse({"num_blocks_dropped": await engine.reset_prefix_cache()})
@@ -72,6 +72,20 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
     app = Starlette(routes=routes, exception_handlers=_exception_handlers())
     return RequestGuard(app, config.api_key, max_request_body_bytes, access_log=access_log,
                         load=load, body_read_timeout_s=body_read_timeout_s)
+
+
+def health_response(engine: AsyncEngine) -> Response:
+    """``/health``: 200 with no body while every engine serves; with data parallelism, 200 and
+    ``{"status": "degraded", "failed_engines": {"1": why}}`` while some engine still serves
+    (the router avoids the dead ones); 503 with ``{"status": "failed", "reason": ...}`` once
+    none does."""
+    if engine.failure:
+        return JSONResponse({"status": "failed", "reason": engine.failure}, status_code=503)
+    degraded = getattr(engine, "degraded", None)  # a DataParallelEngine's failed engines
+    if degraded:
+        return JSONResponse({"status": "degraded",
+                             "failed_engines": {str(k): v for k, v in degraded.items()}})
+    return Response(status_code=200)
 
 
 def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:

@@ -32,6 +32,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import structlog
 
+from pagedserve.actors.dp_config import DataParallelConfig
 from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
@@ -124,7 +125,7 @@ def _read_template(value: str | None) -> str | None:
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
-    from pagedserve.actors.engine import AsyncEngine
+    from pagedserve.actors.dp_launch import run_headless, start_engine
     from pagedserve.server.app import build_app
     from pagedserve.server.launch import hypercorn_config
 
@@ -133,10 +134,15 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("vllm_flags_ignored", flags=args.vllm_ignored,
                     hint="vLLM flags that change nothing here (pagedserve serve --help names "
                          "them)")
+    dp = from_args(DataParallelConfig, args)
+    if dp.headless:  # engines only: they register with the API server at the dp address
+        if code := await run_headless(engine_config(args), dp, args.log_level):
+            raise SystemExit(code)
+        return
     if args.api_key is None and not _is_loopback(server.host):
         log.warning("no_api_key_on_public_address", host=server.host,
                     hint="anyone who reaches this address can use the server: set --api-key")
-    engine = await AsyncEngine.start(engine_config(args))
+    engine = await start_engine(engine_config(args), dp, args.log_level)
     # The served name's one home is ServingConfig; the model's own name is only its default.
     served = args.served_model_name or engine.info.served_name
     serving = from_args(ServingConfig, args, served_model_name=served,

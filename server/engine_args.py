@@ -41,6 +41,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.dp_config import DataParallelConfig
 from pagedserve.actors.structured_output_config import StructuredOutputConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
@@ -50,8 +51,8 @@ if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not 
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
-    ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, StructuredOutputConfig,
-    ServingConfig, ServerConfig,
+    ModelConfig, CacheConfig, ParallelConfig, DataParallelConfig, SchedulerConfig,
+    StructuredOutputConfig, ServingConfig, ServerConfig,
 )
 
 C = TypeVar("C")

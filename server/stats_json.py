@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from pagedserve.actors.dp_stats import DataParallelStats, EngineRouting
 from pagedserve.actors.stats import (
     EngineStats,
     KVCacheStats,
@@ -22,7 +23,33 @@ from pagedserve.actors.stats import (
 
 
 def stats_json(stats: EngineStats, model_name: str) -> dict[str, Any]:
-    """The whole snapshot; ``model_name`` is what clients send as ``model``."""
+    """The whole snapshot; ``model_name`` is what clients send as ``model``. A data-parallel
+    group's (``DataParallelStats``) has the totals at the top, as one engine's, and adds
+    ``data_parallel`` (size, routing policy) and ``engines``, one entry per engine."""
+    out = _engine_json(stats, model_name)
+    if isinstance(stats, DataParallelStats):
+        out["data_parallel"] = {"size": len(stats.engines), "routing": stats.policy}
+        out["engines"] = [engine_part_json(s, r)
+                          for s, r in zip(stats.engines, stats.routing)]
+    return out
+
+
+def engine_part_json(stats: EngineStats | None, routing: EngineRouting) -> dict[str, Any]:
+    """One engine of a group: its queues, KV cache and rates (``None`` once it failed), and
+    what the router knows of it (requests sent, cached hashes, load, failure)."""
+    return {
+        "index": routing.index,
+        "failed": routing.failed,
+        "num_routed": routing.num_routed,
+        "num_cached_hashes": routing.num_cached_hashes,
+        "load": routing.load,
+        "scheduler": None if stats is None else scheduler_json(stats.scheduler),
+        "kv_cache": None if stats is None else kv_cache_json(stats.kv_cache),
+        "throughput": None if stats is None else throughput_json(stats.throughput),
+    }
+
+
+def _engine_json(stats: EngineStats, model_name: str) -> dict[str, Any]:
     m = stats.model
     return {
         "scheduler": scheduler_json(stats.scheduler),

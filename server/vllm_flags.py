@@ -9,10 +9,10 @@ MODEL. Two kinds:
   code). They are parsed with their value, and ``serve`` logs one ``vllm_flags_ignored``
   warning naming them;
 - refused (``REFUSED``): they ask for behaviour pagedserve does not have (LoRA,
-  TLS, data parallelism, another tokenizer, quantized checkpoints): ``serve`` exits with the
+  TLS, another tokenizer, quantized checkpoints): ``serve`` exits with the
   flag and what pagedserve does instead, under ``serve``'s usage line.
 
-A flag's value that makes it harmless (``--data-parallel-size 1``, ``--kv-cache-dtype auto``)
+A flag's value that makes it harmless (``--cpu-offload-gb 0``, ``--kv-cache-dtype auto``)
 is in ``HARMLESS_VALUES``. Names are vLLM's (``vllm/engine/arg_utils.py``,
 ``vllm/entrypoints/openai/cli_args.py``); none is a pagedserve flag (a test holds them apart).
 """
@@ -56,7 +56,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--ssl-keyfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),
     "--ssl-certfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),
     "--root-path": (1, "serve at / behind a proxy that strips the prefix"),
-    "--data-parallel-size": (1, "one engine per server: run one server per device"),
     "--kv-cache-dtype": (1, "the KV cache is kept in --dtype"),
     "--cpu-offload-gb": (1, "weights stay on --device"),
     "--revision": (1, "pass a local folder or the hub id's default revision"),
@@ -67,7 +66,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
 }
 
 HARMLESS_VALUES: dict[str, frozenset[str]] = {
-    "--data-parallel-size": frozenset({"1"}),
     "--kv-cache-dtype": frozenset({"auto"}),
     "--task": frozenset({"auto", "generate"}), "--runner": frozenset({"auto", "generate"}),
     "--cpu-offload-gb": frozenset({"0"}),

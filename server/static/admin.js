@@ -1,5 +1,6 @@
 // The dashboard: reads /admin/events (stats snapshots over SSE, sent with the admin key when
-// one is needed) and draws cards, four live charts, the request table and the settings.
+// one is needed) and draws cards, four live charts, the engines side by side (data
+// parallelism), the request table and the settings.
 import { TimeChart } from "./charts.js";
 import { authHeaders, errorMessage, readEvents } from "./sse.js";
 
@@ -97,6 +98,40 @@ function renderSpecDecode(sd) {
   text("spec-times", `draft ${sd.draft_time_s.toFixed(2)} s · verify ${sd.verify_time_s.toFixed(2)} s`);
 }
 
+// Data parallelism: one column per engine, side by side (the cards above are the totals).
+const ENGINE_ROWS = [
+  ["state", (e) => (e.failed ? `failed: ${e.failed}` : "serving")],
+  ["routed", (e) => e.num_routed],
+  ["load (router)", (e) => e.load],
+  ["running", (e) => e.scheduler?.num_running ?? "–"],
+  ["waiting", (e) => e.scheduler?.num_waiting ?? "–"],
+  ["KV cache", (e) => (e.kv_cache ? `${(e.kv_cache.usage * 100).toFixed(1)}%` : "–")],
+  ["hit rate", (e) => (e.kv_cache ? `${(e.kv_cache.prefix_cache_hit_rate * 100).toFixed(1)}%` : "–")],
+  ["cached hashes", (e) => e.num_cached_hashes],
+  ["generation tok/s", (e) => e.throughput?.generation_tokens_per_s.toFixed(0) ?? "–"],
+];
+
+function cell(tag, v) {
+  const c = document.createElement(tag);
+  c.textContent = String(v);
+  return c;
+}
+
+function renderEngines(snap) {
+  const engines = snap.engines;
+  $("engines-panel").hidden = !engines;
+  if (!engines) return;
+  text("dp-routing", `(${engines.length}, routing: ${snap.data_parallel.routing})`);
+  const head = $("engines").tHead.rows[0];
+  head.replaceChildren(cell("th", ""), ...engines.map((e) => cell("th", `engine ${e.index}`)));
+  const rows = ENGINE_ROWS.map(([name, get]) => {
+    const tr = document.createElement("tr");
+    tr.append(cell("th", name), ...engines.map((e) => cell("td", get(e))));
+    return tr;
+  });
+  $("engines").tBodies[0].replaceChildren(...rows);
+}
+
 function onSnapshot(snap) {
   const s = snap.scheduler;
   const kv = snap.kv_cache;
@@ -118,6 +153,7 @@ function onSnapshot(snap) {
   charts.tps.push(t, [tp.prompt_tokens_per_s, tp.generation_tokens_per_s]);
   charts.step.push(t, [meanNewStepMs(snap)]);
   renderTable(s.requests);
+  renderEngines(snap);
   if (!configShown) {
     renderConfig(snap);
     configShown = true;

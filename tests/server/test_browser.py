@@ -196,6 +196,7 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
         await expect(page.locator("#conn")).to_have_attribute("data-state", "live")
         await expect(page.locator("#num-running")).to_have_text("0")
         await expect(page.locator("#config")).to_contain_text("max_num_seqs")
+        await expect(page.locator("#engines-panel")).to_be_hidden()  # one engine: no panel
 
         queues = page.locator("#chart-queues")
         before = await queues.evaluate("c => c.toDataURL()")
@@ -231,3 +232,29 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
         assert events and events[-1].headers.get("authorization") == "Bearer sk-admin"
         assert_offline(seen, base)
         await page.close()
+
+
+async def test_dashboard_shows_engines_side_by_side(browser, tiny_model_dir, tmp_path):
+    """Data parallelism (two engine processes): the engines panel has a column per engine,
+    and the request sent shows up in one engine's routed count."""
+    import httpx
+    from playwright.async_api import expect
+
+    from tests.server.test_data_parallel import dp_server
+
+    with dp_server(tiny_model_dir, logs=tmp_path) as (_, base):
+        client = httpx.AsyncClient(base_url=base, timeout=120)
+        page = await browser.new_page(viewport={"width": 1280, "height": 1100})
+        seen = watch_requests(page, base)
+        await page.goto(base + "/admin")
+        await expect(page.locator("#engines-panel")).to_be_visible()
+        await expect(page.locator("#engines thead th")).to_have_count(3)  # label + 2 engines
+        await expect(page.locator("#dp-routing")).to_contain_text("prefix")
+        r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200
+        routed = page.locator("#engines tbody tr", has_text="routed")
+        await expect(routed).to_contain_text("1")
+        await page.screenshot(path=ARTIFACTS / "admin-dp.png", full_page=True)
+        assert_offline(seen, base)
+        await page.close()
+        await client.aclose()

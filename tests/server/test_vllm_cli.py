@@ -33,18 +33,18 @@ def usage_error(capsys, *argv: str) -> str:
 def test_harmless_vllm_flags_are_recorded_and_their_values_are_not_the_model():
     args = parse("--trust-remote-code", "--uvicorn-log-level", "warning", "my/model",
                  "--disable-log-requests", "--disable-log-stats", "--swap-space", "4",
-                 "--data-parallel-size", "1", "--kv-cache-dtype", "auto", "--port", "9")
+                 "--cpu-offload-gb", "0", "--kv-cache-dtype", "auto", "--port", "9")
     assert args.model_tag == "my/model" and args.port == 9
     assert args.vllm_ignored == ["--trust-remote-code", "--uvicorn-log-level warning",
                                  "--disable-log-requests", "--disable-log-stats",
-                                 "--swap-space 4", "--data-parallel-size 1",
+                                 "--swap-space 4", "--cpu-offload-gb 0",
                                  "--kv-cache-dtype auto"]
     assert parse().vllm_ignored == []
 
 
 def test_refused_vllm_flags_say_what_pagedserve_does_instead(capsys):
     assert "LoRA adapters are not supported" in usage_error(capsys, "--enable-lora")
-    assert "one engine per server" in usage_error(capsys, "--data-parallel-size", "2")
+    assert "weights stay on --device" in usage_error(capsys, "--cpu-offload-gb", "4")
     assert "TLS proxy" in usage_error(capsys, "--ssl-keyfile", "k.pem")
     err = usage_error(capsys, "--quantization", "awq")
     assert "--quantization awq is not supported" in err and "GGUF" in err

@@ -1,0 +1,207 @@
+"""Which engine of a data-parallel group runs a request (the idea of llm-d's and SGLang's
+cache-aware routers, and of vLLM's ``DPLBAsyncMPClient`` for the load side).
+
+The router keeps, per engine, what the engine told it in KV events (``actors/kv_events.py``):
+the set of block hashes it holds in its prefix cache, and its running and waiting counts,
+pushed when they change. It never asks an engine anything per request.
+
+Policies (``--data-parallel-routing``):
+
+``prefix`` (default)
+    hash the prompt's full blocks on the front, with the engines' function and salt
+    (``actors/kv_cache_utils.py``), and pick the engine holding the longest run of the leading
+    hashes; among equals, the lightest. Unless that engine's load (running + waiting) exceeds
+    the lightest engine's by more than ``PREFIX_LOAD_THRESHOLD`` requests: then the lightest
+    wins (its prefill is cheaper than the queue of the busy one). A prompt nobody holds goes
+    to the lightest.
+``least-load``
+    the lightest engine.
+``round-robin``
+    each engine in turn.
+
+Ties between equally loaded engines go to the one this router has sent fewer requests to, so
+requests that arrive one by one to an idle group still spread. Engines marked failed are never
+chosen. A routed request counts on its engine's waiting count at once (the engine's next
+``EngineLoad`` replaces the guess), so a burst that arrives before any event is spread too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.actors.errors import EngineOverloaded
+from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, BlockHash, extend_block_hashes
+from pagedserve.actors.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineLoad,
+    KVEventBatch,
+)
+
+ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
+# Requests (running + waiting) by which the engine holding a prompt's prefix may exceed the
+# lightest engine and still get it. About a decode batch's worth on this project's CPU sizes:
+# below it, re-using the prefix saves more than the wait costs.
+PREFIX_LOAD_THRESHOLD = 8
+
+
+class NoEngineLeft(EngineOverloaded):
+    """Every engine of the group has failed: the server answers 503 (``server/admission.py``
+    maps an ``EngineOverloaded`` to an OpenAI-shaped 503), not a 500."""
+
+
+@dataclass(slots=True)
+class EngineView:
+    """What the router knows of one engine, from its events.
+
+    Attributes:
+        cached: block hashes in its prefix cache (in use or evictable).
+        num_running, num_waiting: its last ``EngineLoad``, plus requests routed since.
+        num_routed: requests this router sent it (tie-breaks, and the operators' view).
+        failed: why it cannot serve (set by the front), else ``None``.
+    """
+
+    index: int
+    cached: set[bytes] = field(default_factory=set)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_routed: int = 0
+    failed: str | None = None
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    """One request's route, for its log line.
+
+    Attributes:
+        engine: the chosen engine's index.
+        policy: the policy that chose it.
+        matched_blocks: leading prompt blocks the chosen engine holds (its expected hit);
+            also counted under ``least-load`` and ``round-robin``.
+        loads: every engine's load (running + waiting) when it was chosen; -1 for a failed one.
+        reason: ``prefix``, ``load`` (the prefix holder was too busy, or none held it),
+            ``least-load`` or ``round-robin``.
+    """
+
+    engine: int
+    policy: str
+    matched_blocks: int
+    loads: list[int]
+    reason: str
+
+    def log_fields(self) -> dict[str, object]:
+        return {"engine": self.engine, "routing": self.policy, "route_reason": self.reason,
+                "matched_blocks": self.matched_blocks, "engine_loads": self.loads}
+
+
+class DPRouter:
+    """Args:
+    num_engines: engines in the group, indexed 0..n-1 (``KVEventBatch.engine_index``).
+    policy: one of ``ROUTING_POLICIES``.
+    block_size, hash_algo: the engines' ``--block-size`` and ``--prefix-caching-hash-algo``.
+    load_threshold: ``PREFIX_LOAD_THRESHOLD`` unless given.
+    """
+
+    def __init__(self, num_engines: int, policy: str = "prefix", block_size: int = 16,
+                 hash_algo: str = "sha256", load_threshold: int = PREFIX_LOAD_THRESHOLD):
+        if num_engines < 1:
+            raise ValueError("a data-parallel group needs at least one engine")
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}: one of "
+                             f"{', '.join(ROUTING_POLICIES)}")
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"unknown prefix-caching hash {hash_algo!r}")
+        self.policy = policy
+        self.block_size = block_size
+        self.hash_fn = HASH_FUNCTIONS[hash_algo]
+        self.load_threshold = load_threshold
+        self.engines = [EngineView(i) for i in range(num_engines)]
+        self._next = 0  # round-robin's turn
+
+    # -- what the engines say -----------------------------------------------------------------
+
+    def on_kv_events(self, batch: KVEventBatch) -> None:
+        """A ``KVEventSink``: apply one engine's batch, in order."""
+        view = self.engines[batch.engine_index]
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                view.cached.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                view.cached.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                view.cached.clear()
+            elif isinstance(event, EngineLoad):
+                view.num_running, view.num_waiting = event.num_running, event.num_waiting
+
+    def mark_failed(self, index: int, reason: str) -> None:
+        view = self.engines[index]
+        view.failed = reason
+        view.cached.clear()
+
+    # -- the choice ---------------------------------------------------------------------------
+
+    def prompt_hashes(self, prompt_token_ids: Sequence[int],
+                      cache_salt: str | None = None) -> list[BlockHash]:
+        """The prompt's full-block hashes, as every engine computes them."""
+        hashes: list[BlockHash] = []
+        extend_block_hashes(self.hash_fn, hashes, prompt_token_ids, self.block_size, cache_salt)
+        return hashes
+
+    def route(self, prompt_token_ids: Sequence[int],
+              cache_salt: str | None = None) -> RoutingDecision:
+        """Choose the engine for a prompt and count the request on it.
+
+        Raises:
+            NoEngineLeft: every engine has failed.
+        """
+        alive = [v for v in self.engines if v.failed is None]
+        if not alive:
+            raise NoEngineLeft("no engine left: every data-parallel engine has failed")
+        hashes = self.prompt_hashes(prompt_token_ids, cache_salt)
+        matched = {v.index: _leading_run(hashes, v.cached) for v in alive}
+        lightest = min(alive, key=_by_load)
+        if self.policy == "round-robin":
+            chosen, reason = self._round_robin(alive), "round-robin"
+        elif self.policy == "least-load":
+            chosen, reason = lightest, "least-load"
+        else:
+            best = max(alive, key=lambda v: (matched[v.index], -v.load, -v.num_routed))
+            if matched[best.index] > 0 and best.load - lightest.load <= self.load_threshold:
+                chosen, reason = best, "prefix"
+            else:
+                chosen, reason = lightest, "load"
+        decision = RoutingDecision(
+            chosen.index, self.policy, matched[chosen.index],
+            [v.load if v.failed is None else -1 for v in self.engines], reason)
+        chosen.num_waiting += 1  # until the engine's next EngineLoad says better
+        chosen.num_routed += 1
+        return decision
+
+    def _round_robin(self, alive: list[EngineView]) -> EngineView:
+        n = len(self.engines)
+        for step in range(n):
+            view = self.engines[(self._next + step) % n]
+            if view.failed is None:
+                self._next = (view.index + 1) % n
+                return view
+        return alive[0]  # unreachable: alive is not empty
+
+
+def _by_load(view: EngineView) -> tuple[int, int, int]:
+    return (view.load, view.num_routed, view.index)
+
+
+def _leading_run(hashes: list[BlockHash], cached: set[bytes]) -> int:
+    """How many of ``hashes``, from the first, are in ``cached``."""
+    n = 0
+    for h in hashes:
+        if h not in cached:
+            break
+        n += 1
+    return n
