@@ -24,10 +24,13 @@ import os
 import statistics
 import time
 
+from pagedserve.gpu.cpu_threads import openmp_defaults
 from pagedserve.kernels.cpu_isa import cap_torch_env
 
 # PAGEDSERVE_CPU_ISA=avx2 caps torch (ATen, oneDNN, MKL) as well as our kernels, so an AVX-512
 # machine measures the AVX2 tier; torch reads those caps only if they are set before its import.
+# The server's OpenMP spin bound too (server/cli.py), so a step is timed as the server runs it.
+os.environ.update(openmp_defaults())
 cap_torch_env()
 
 import torch
