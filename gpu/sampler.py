@@ -86,8 +86,9 @@ def _top_k_top_p_of_candidates(logits: torch.Tensor, k: torch.Tensor, top_p: tor
     top = vals[:, :1]
     weights = (vals - top).exp().masked_fill(drop, 0.0)
     whole = k >= logits.shape[-1]
-    norm = torch.where(whole[:, None], (logits - top).exp().sum(-1, keepdim=True),
-                       weights.sum(-1, keepdim=True))
+    norm = weights.sum(-1, keepdim=True)
+    if bool(whole.any()):  # top-p alone: the whole row's mass (one pass over it)
+        norm = torch.where(whole[:, None], (logits - top).exp().sum(-1, keepdim=True), norm)
     probs = weights / norm
     drop |= probs.cumsum(dim=-1) - probs >= top_p[:, None]
     decided = (k <= n) | drop[:, -1]
@@ -195,13 +196,18 @@ def target_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> TargetDi
         if _needs_processing(row.params):
             _process_row(logits[i], row)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    scaled = None  # the random rows after temperature, [len(random_rows), V]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
         temp = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        logits[idx] = logits[idx] / temp[:, None]
+        if len(random_rows) == len(rows):  # every row samples: in place, no gather copies
+            scaled = logits.div_(temp[:, None])
+        else:
+            idx = torch.tensor(random_rows, device=logits.device)
+            scaled = logits[idx] / temp[:, None]
+            logits[idx] = scaled
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = logits[want_lp].log_softmax(dim=-1) if want_lp else None
-    probs = _filtered_probs(logits[idx], [params[i] for i in random_rows]) if random_rows \
+    probs = _filtered_probs(scaled, [params[i] for i in random_rows]) if random_rows \
         else None
     return TargetDistribution(logits.argmax(dim=-1), random_rows, probs, want_lp, logprobs)
 
