@@ -94,34 +94,37 @@ inline __m512 sums_of<Avx512>(const __m512* a) {
 }
 #endif
 
-// Pass 1 of the SIMD loop: scores[h][t - t_begin] = q_h . k_t for the heads of kv head kvh,
-// V::W tokens at a time: V::W independent FMA chains (one per token) per head, then one
-// transposing reduction, instead of one latency-bound chain and a reduction per (token, head).
+// Pass 1 of the SIMD loop: scores[h][t] = q_h . k_t, V::W tokens at a time: V::W independent
+// FMA chains (one per token) per head, then one transposing reduction, instead of one
+// latency-bound chain and a reduction per (token, head). Tile-major, every kv head of a tile
+// before the next: each K row is read from memory once, whole and in order (a pass per kv head
+// read every row three times, a third of it each time, and ran slower than the old loop once
+// the cache outgrew L3).
 template <class V, typename T>
 void scores_simd(const float* q, const T* key_cache, const int64_t* offs, int64_t len,
-                 int64_t kvh, int64_t group, int64_t head_size, float* scores) {
+                 int64_t num_kv_heads, int64_t group, int64_t head_size, float* scores) {
   constexpr int W = V::W;
   const int64_t nv = head_size / W;
   for (int64_t t0 = 0; t0 < len; t0 += W) {
     const int64_t n = std::min<int64_t>(W, len - t0);
-    const T* k[W];
+    const T* rows[W];
     for (int i = 0; i < W; ++i)  // past the end: token t0's row again, its scores dropped
-      k[i] = key_cache + offs[t0 + (i < n ? i : 0)] + kvh * head_size;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = kvh * group + g;
+      rows[i] = key_cache + offs[t0 + (i < n ? i : 0)];
+    for (int64_t h = 0; h < num_kv_heads * group; ++h) {
       const float* qh = q + h * head_size;
+      const int64_t kv_off = (h / group) * head_size;
       typename V::F a[W];
       for (int i = 0; i < W; ++i) a[i] = V::zero();
       for (int64_t j = 0; j < nv; ++j) {
         const typename V::F qj = V::load(qh + W * j);
-        for (int i = 0; i < W; ++i) a[i] = V::fmadd(qj, V::load(k[i] + W * j), a[i]);
+        for (int i = 0; i < W; ++i) a[i] = V::fmadd(qj, V::load(rows[i] + kv_off + W * j), a[i]);
       }
-      const typename V::F s = sums_of<V>(a);
+      const typename V::F sum = sums_of<V>(a);
       if (n == W) {
-        V::store(s, scores + h * len + t0);
+        V::store(sum, scores + h * len + t0);
       } else {
         alignas(64) float tmp[W];
-        V::store(s, tmp);
+        V::store(sum, tmp);
         std::copy(tmp, tmp + n, scores + h * len + t0);
       }
     }
@@ -153,18 +156,21 @@ void softmax_rows_simd(float* scores, int64_t rows, int64_t len, float* maxes) {
   }
 }
 
-// Pass 2 for heads h0..h0+G-1 (one kv head's): acc[h] = sum_t p[h][t] v_t, C vectors of the
-// head at a time in G x C registers across all tokens (each V row chunk loaded once for G
-// heads), where a load-add-store of acc per (token, head) would be bound by the stores.
+// Pass 2 for heads h0..h0+G-1 (one kv head's) over tokens t_lo..t_hi-1: acc[h] (+)= sum_t
+// p[h][t] v_t, C vectors of the head at a time in G x C registers across the tokens (each V
+// row chunk loaded once for G heads), where a load-add-store of acc per (token, head) was
+// bound by the stores. ``first``: acc starts from zero.
 template <class V, int G, int C, typename T>
 void values_simd(const float* scores, const T* value_cache, const int64_t* offs, int64_t len,
-                 int64_t kvh, int64_t h0, int64_t head_size, float* acc) {
+                 int64_t t_lo, int64_t t_hi, int64_t kvh, int64_t h0, int64_t head_size,
+                 float* acc, bool first) {
   constexpr int W = V::W;
   for (int64_t c0 = 0; c0 < head_size; c0 += C * W) {
     typename V::F a[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) a[g][c] = V::zero();
-    for (int64_t t = 0; t < len; ++t) {
+      for (int c = 0; c < C; ++c)
+        a[g][c] = first ? V::zero() : V::load(acc + (h0 + g) * head_size + c0 + W * c);
+    for (int64_t t = t_lo; t < t_hi; ++t) {
       const T* v = value_cache + offs[t] + kvh * head_size + c0;
       typename V::F p[G];
       for (int g = 0; g < G; ++g) p[g] = V::set1(scores[(h0 + g) * len + t]);
@@ -178,26 +184,40 @@ void values_simd(const float* scores, const T* value_cache, const int64_t* offs,
   }
 }
 
+// Tokens per chunk of pass 2: every kv head and column of a chunk's V rows before the next
+// chunk, so each row comes from memory once and is then reread from L1 (16 rows of 3 x 64
+// float32 are 12 KiB); the accumulators go through acc once per chunk.
+constexpr int64_t kValueChunk = 16;
+
 template <class V, int C, typename T>
 void values_heads(const float* scores, const T* value_cache, const int64_t* offs, int64_t len,
-                  int64_t kvh, int64_t group, int64_t head_size, float* acc) {
+                  int64_t num_kv_heads, int64_t group, int64_t head_size, float* acc) {
   // Blocks of up to 4 heads: 4 x C accumulators, C value vectors and 4 broadcasts fit the
   // AVX2 tier's 16 registers at C = 2.
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    const int64_t h0 = kvh * group + g0;
-    switch (std::min<int64_t>(4, group - g0)) {
-      case 1: values_simd<V, 1, C>(scores, value_cache, offs, len, kvh, h0, head_size, acc); break;
-      case 2: values_simd<V, 2, C>(scores, value_cache, offs, len, kvh, h0, head_size, acc); break;
-      case 3: values_simd<V, 3, C>(scores, value_cache, offs, len, kvh, h0, head_size, acc); break;
-      default: values_simd<V, 4, C>(scores, value_cache, offs, len, kvh, h0, head_size, acc);
+  for (int64_t t_lo = 0; t_lo < len; t_lo += kValueChunk) {
+    const int64_t t_hi = std::min(len, t_lo + kValueChunk);
+    const bool first = t_lo == 0;
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t h0 = kvh * group + g0;
+        switch (std::min<int64_t>(4, group - g0)) {
+          case 1: values_simd<V, 1, C>(scores, value_cache, offs, len, t_lo, t_hi, kvh, h0,
+                                       head_size, acc, first); break;
+          case 2: values_simd<V, 2, C>(scores, value_cache, offs, len, t_lo, t_hi, kvh, h0,
+                                       head_size, acc, first); break;
+          case 3: values_simd<V, 3, C>(scores, value_cache, offs, len, t_lo, t_hi, kvh, h0,
+                                       head_size, acc, first); break;
+          default: values_simd<V, 4, C>(scores, value_cache, offs, len, t_lo, t_hi, kvh, h0,
+                                        head_size, acc, first);
+        }
+      }
     }
   }
 }
 
 // The loop with V::W-lane registers, for head_size % V::W == 0 (every model we serve). Each
 // token's row offset is computed once (a division by the block size) for K and V and every kv
-// head; the passes go kv head by kv head, so a head's rows stay in cache between its group's
-// query heads.
+// head.
 template <class V, typename T>
 void attend_simd(const float* q, const T* key_cache, const T* value_cache, const Paged& pg,
                  int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t group,
@@ -206,16 +226,14 @@ void attend_simd(const float* q, const T* key_cache, const T* value_cache, const
   const int64_t len = t_end - t_begin;
   offs.resize(len);
   for (int64_t t = t_begin; t < t_end; ++t) offs[t - t_begin] = pg.offset(t);
-  for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
-    scores_simd<V>(q, key_cache, offs.data(), len, kvh, group, head_size, scores);
+  scores_simd<V>(q, key_cache, offs.data(), len, num_kv_heads, group, head_size, scores);
   softmax_rows_simd<V>(scores, num_heads, len, maxes);
-  const bool pairs = (head_size / V::W) % 2 == 0;
-  for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-    if (pairs)
-      values_heads<V, 2>(scores, value_cache, offs.data(), len, kvh, group, head_size, acc);
-    else
-      values_heads<V, 1>(scores, value_cache, offs.data(), len, kvh, group, head_size, acc);
-  }
+  if ((head_size / V::W) % 2 == 0)
+    values_heads<V, 2>(scores, value_cache, offs.data(), len, num_kv_heads, group, head_size,
+                       acc);
+  else
+    values_heads<V, 1>(scores, value_cache, offs.data(), len, num_kv_heads, group, head_size,
+                       acc);
 }
 #endif
 
