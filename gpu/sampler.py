@@ -52,8 +52,9 @@ class SamplerOutput:
 
 
 # Candidates per row tried before a full sort of the vocabulary: a sort of 49,152 logits took
-# ~20 ms a row on a 2-core Zen 5 (torch's CPU sort), topk(128) ~0.1 ms; top-p's cutoff lies
-# inside the first 128 for most rows of a chat model, inside 2,048 for nearly all others.
+# ~5 ms of CPU a row on a 2-core Zen 5 (torch's CPU sort), topk(128) ~0.1 ms
+# (loadtest/RESULTS.md); top-p's cutoff lies inside the first 128 for most rows of a chat
+# model, inside 2,048 for nearly all others.
 TOP_P_CANDIDATES = (128, 2048)
 
 
@@ -258,7 +259,7 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     ``q ~ Exp(1)``), row ``i``'s noise from ``generators[i]`` (``None``: the global RNG).
 
     ``q = -log(u)``, ``u`` uniform in float32: torch's CPU ``exponential_`` draws float64
-    (MKL) and took ~0.7 ms a row of 49,152, eight times ``uniform_`` and a log. ``u = 0`` (odds
+    (MKL) and took ~0.7 ms a row of 49,152, twice ``uniform_`` and a log. ``u = 0`` (odds
     2^-24 a token) gives ``q = inf``: that token sits this draw out."""
     noise = torch.empty_like(probs, dtype=torch.float32)
     unseeded = [i for i, gen in enumerate(generators) if gen is None]
