@@ -74,9 +74,9 @@ def test_long_contexts_of_few_sequences_split_and_merge(dtype, tol, heads, kv_he
 
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 2, 64), (12, 2, 32), (6, 1, 48)])
 def test_simd_paths_for_every_group_and_head_layout(heads, kv_heads, head_size):
-    """The vector loop's cases: blocks of 2 and of 4 + 2 query heads per kv head (the value
-    pass holds up to 4 heads in registers), head sizes of an even and of an odd number of
-    vectors (2 or 1 per register block), and contexts that end inside a score tile."""
+    """GQA groups of 2 and 6 query heads per kv head and head sizes 32, 48 and 64 on every
+    tier: the vector loop where the head size is a multiple of the tier's lanes, the portable
+    one where it is not (48 at AVX-512's 16), and contexts that end inside a block."""
     seq_lens = [3, 17, 33, 100]
     q, kc, vc, table, lens = _setup(seq_lens, heads, kv_heads, head_size, 16, torch.float32)
     got = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 0.3)
