@@ -98,7 +98,8 @@ def _top_k_top_p_of_candidates(logits: torch.Tensor, k: torch.Tensor, top_p: tor
     return out, decided
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits ``[B, V]`` outside each row's top-k (k ``[B]``, ≤ 0 = off) and top-p mass
     (``top_p`` ``[B]``, ≥ 1 = off); rows with neither are returned as they are.
 
