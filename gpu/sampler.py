@@ -257,20 +257,8 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row of ``probs`` ``[R, V]`` (unnormalized is fine: ``argmax(p / q)``,
-    ``q ~ Exp(1)``), row ``i``'s noise from ``generators[i]`` (``None``: the global RNG).
-
-    ``q = -log(u)``, ``u`` uniform in float32: torch's CPU ``exponential_`` draws float64
-    (MKL) and took ~0.7 ms a row of 49,152, twice ``uniform_`` and a log. ``u = 0`` (odds
-    2^-24 a token) gives ``q = inf``: that token sits this draw out."""
-    noise = torch.empty_like(probs, dtype=torch.float32)
-    unseeded = [i for i, gen in enumerate(generators) if gen is None]
-    if len(unseeded) == len(generators):
-        noise.uniform_()
-    else:
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                noise[i].uniform_(generator=gen)
-        if unseeded:  # one call for the rows on the global RNG
-            idx = torch.tensor(unseeded, device=probs.device)
-            noise[idx] = torch.rand((len(unseeded), probs.shape[-1]), device=probs.device)
-    return (probs / torch.log(noise).neg_()).argmax(dim=-1)
+    ``q ~ Exp(1)``), row ``i``'s noise from ``generators[i]`` (``None``: the global RNG)."""
+    noise = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
