@@ -24,10 +24,13 @@ import os
 import statistics
 import time
 
+from pagedserve.gpu.cpu_threads import openmp_defaults
 from pagedserve.kernels.cpu_isa import cap_torch_env
 
 # PAGEDSERVE_CPU_ISA=avx2 caps torch (ATen, oneDNN, MKL) as well as our kernels, so an AVX-512
 # machine measures the AVX2 tier; torch reads those caps only if they are set before its import.
+# The server's OpenMP spin bound too (server/cli.py), so a step is timed as the server runs it.
+os.environ.update(openmp_defaults())
 cap_torch_env()
 
 import torch
@@ -60,9 +63,16 @@ def _step(runner: ModelRunner, reqs: list[dict], prefill: bool) -> None:
         r["tokens"].append(out.sampled_token_ids[r["id"]][0])
 
 
+# The clock of the breakdown (``--clock``): wall time, or this process's CPU time, which a
+# loaded machine's preemption does not inflate (exact with ``--threads 1``: with more, it also
+# counts the OpenMP threads' spinning).
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 @contextlib.contextmanager
 def _timed_parts(totals: dict[str, float]):
-    """Wrap the step's parts with wall-clock timers, adding seconds into ``totals``."""
+    """Wrap the step's parts with timers (``_clock``), adding seconds into ``totals``."""
     patches = [(cpu_ops, name) for name in ("rms_norm", "silu_and_mul", "rotary_embedding")]
     patches += [(model_runner_module, "sample"), (cpu_gemm.PackedLinear, "forward"),
                 (torch.nn.Linear, "forward"), (gguf_linear.GGUFLinear, "forward")]
@@ -78,12 +88,12 @@ def _timed_parts(totals: dict[str, float]):
             if label in active:  # a GGUFLinear calling its dense layer: counted once
                 return fn(*args, **kwargs)
             active.add(label)
-            start = time.perf_counter()
+            start = _clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 active.discard(label)
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+                totals[label] = totals.get(label, 0.0) + _clock() - start
         return wrapper
 
     try:
@@ -115,7 +125,12 @@ def main() -> None:
                    help="comma list: gguf (the file's quantized blocks) and/or none")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: the server's default, see cpu_threads)")
+    p.add_argument("--clock", choices=tuple(_CLOCKS), default="wall",
+                   help="the breakdown's and prefill's clock: wall, or process CPU time (for a "
+                        "loaded machine; exact with --threads 1)")
     args = p.parse_args()
+    global _clock
+    _clock = _CLOCKS[args.clock]
     if args.threads:  # read by ModelRunner.load, which sets torch's thread count
         os.environ["PAGEDSERVE_CPU_THREADS"] = str(args.threads)
     for dtype, quant in itertools.product(args.dtype.split(","), args.quantization.split(",")):
@@ -154,11 +169,11 @@ def main() -> None:
 
 def _print_breakdown(step_fn, steps: int) -> None:
     totals: dict[str, float] = {}
-    start = time.perf_counter()
+    start = _clock()
     with _timed_parts(totals):
         for _ in range(steps):
             step_fn()
-    step = (time.perf_counter() - start) / steps
+    step = (_clock() - start) / steps
     totals["other (python, embedding, views)"] = step * steps - sum(totals.values())
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         ms = seconds / steps * 1e3
@@ -179,11 +194,11 @@ def _time_prefill(runner: ModelRunner, batch: int, args) -> None:
     step()
     wall = []
     for _ in range(max(3, args.steps // 4)):
-        t = time.perf_counter()
+        t = _clock()
         step()
-        wall.append(time.perf_counter() - t)
+        wall.append(_clock() - t)
     w = statistics.median(wall)
-    print(f"  prefill {batch} x {args.context} tokens: median {w * 1e3:.0f} ms "
+    print(f"  prefill {batch} x {args.context} tokens: median {w * 1e3:.0f} ms {args.clock} "
           f"({batch * args.context / w:.0f} tok/s)", flush=True)
     if args.breakdown:
         _print_breakdown(step, max(3, args.steps // 4))

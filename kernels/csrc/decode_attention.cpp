@@ -143,6 +143,10 @@ void attend(const float* q, const T* key_cache, const T* value_cache, const Page
 // more than the halved loop saves.
 constexpr int64_t kMinSplitTokens = 512;
 
+// Below this many (context token x head) pairs in a call the calling thread runs it alone:
+// about 10 us of work at 64-dim heads, less than a fork and join of the team costs.
+constexpr int64_t kParallelMinWork = 4096;
+
 // Per (sequence, part) results of a split context: maxima [H], sums [H], unnormalised acc
 // [H, D]; merged by their softmax maxima and sums (vLLM's paged_attention_v2).
 struct Parts {
@@ -223,7 +227,13 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
     parts.sum.resize(num_seqs * splits * num_heads);
     parts.acc.resize(num_seqs * splits * hd);
   }
-#pragma omp parallel
+  // One task (a batch of one, not split), or too little work to share: the calling thread
+  // alone, no fork and join (a parallel region per layer is a barrier per layer, and each
+  // barrier waits for a thread a busy neighbour may have preempted).
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) total += seq_lens[i];
+  const bool parallel = num_seqs * splits > 1 && total * num_heads >= kParallelMinWork;
+#pragma omp parallel if (parallel)
   {
     std::vector<float> q(hd), row(token_stride), acc(hd), scores;
 #pragma omp for schedule(dynamic, 1)

@@ -72,6 +72,19 @@ def test_long_contexts_of_few_sequences_split_and_merge(dtype, tol, heads, kv_he
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 2, 64), (12, 2, 32), (6, 1, 48)])
+def test_simd_paths_for_every_group_and_head_layout(heads, kv_heads, head_size):
+    """GQA groups of 2 and 6 query heads per kv head and head sizes 32, 48 and 64 on every
+    tier: the vector loop where the head size is a multiple of the tier's lanes, the portable
+    one where it is not (48 at AVX-512's 16), and contexts that end inside a block."""
+    seq_lens = [3, 17, 33, 100]
+    q, kc, vc, table, lens = _setup(seq_lens, heads, kv_heads, head_size, 16, torch.float32)
+    got = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 0.3)
+    want = _reference(q, kc, vc, table, lens, 0.3)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_single_token_context_returns_its_value():
     """With one cached token the softmax is 1: the output is that token's V, exactly."""
     q, kc, vc, table, lens = _setup([1], 6, 2, 16, 4, torch.float32)
