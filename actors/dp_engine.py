@@ -133,12 +133,14 @@ class DataParallelEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, cache_salt: str | None = None,
         grammar: CompiledConstraint | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """``AsyncEngine.add_request`` on the routed engine."""
         k = self._route(request_id, prompt_token_ids, params.n, cache_salt)
         try:
             return await self.engines[k].add_request(request_id, prompt_token_ids, params,
-                                                     priority, cache_salt, grammar)
+                                                     priority, cache_salt, grammar,
+                                                     kv_transfer_params)
         except BaseException:
             if params.n > 1:  # its followers will not come
                 self._pins.pop(request_id.rpartition("-")[0], None)

@@ -222,6 +222,7 @@ class EngineCoreClient:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, cache_salt: str | None = None,
         grammar: RemoteGrammar | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RemoteRequestStream:
         """As ``AsyncEngine.add_request``; raises ``EngineError`` once the engine is lost."""
         if grammar is not None and grammar.spec != params.structured_outputs:
@@ -230,7 +231,8 @@ class EngineCoreClient:
         rid = next(self._ids)
         stream = RemoteRequestStream(self, rid, request_id)
         await self._admit(stream, m.AddRequestMsg(rid, request_id, list(prompt_token_ids), params,
-                                                  priority, cache_salt, grammar is not None))
+                                                  priority, cache_salt, grammar is not None,
+                                                  kv_transfer_params))
         return stream
 
     async def beam_search(

@@ -98,6 +98,7 @@ class AddRequestMsg:
     priority: int = 0
     cache_salt: str | None = None
     compiled: bool = False
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: for the core's KV connector
 
 
 @dataclass(slots=True)

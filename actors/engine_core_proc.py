@@ -176,7 +176,7 @@ class EngineCoreServer:
                        if msg.compiled and spec is not None else None)
             stream = await self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.cache_salt,
-                grammar)
+                grammar, msg.kv_transfer_params)
         except Exception as e:  # noqa: BLE001  (refused: the front raises it)
             self.send(m.AcceptedMsg(msg.rid, m.wire_error(e)))
             return
