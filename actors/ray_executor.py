@@ -13,6 +13,7 @@ the step with ``WorkerFailed``, as with the mp backend.
 from __future__ import annotations
 
 import os
+import queue
 import time
 
 import structlog
@@ -46,6 +47,7 @@ class RayExecutor(MultiprocExecutor):
         self.actors: list = []
         self.placement_group = None
         self._started_ray = False
+        self._pending: queue.Queue[list | None] = queue.Queue()  # steps sent, oldest first
 
     def _load(self) -> ModelInfo:
         ray = self.ray
@@ -83,14 +85,28 @@ class RayExecutor(MultiprocExecutor):
                 self._fail(f"worker rank {rank}: {type(e).__name__}: {e}".splitlines()[0])
         return ray.get(refs)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def broadcast(self, so: SchedulerOutput) -> None:
+        """Hand one step to every actor (the sender thread, steps in order); the waiter takes
+        its result refs from ``_pending`` (``None``: there will be no result)."""
         if self.failure is not None:
-            raise WorkerFailed(self.failure)
+            self._pending.put(None)
+            return
         start = time.perf_counter()
-        ref = self.ray.put(so)  # serialised once, read by every rank
-        refs = [a.execute.remote(ref) for a in self.actors]
+        try:
+            ref = self.ray.put(so)  # serialised once, read by every rank
+            refs = [a.execute.remote(ref) for a in self.actors]
+        except Exception as e:  # the waiter would wait for refs that never come
+            self._pending.put(None)
+            self._fail(f"broadcast of a step failed: {type(e).__name__}: {e}")
+        self._pending.put(refs)
         self.broadcast_seconds += time.perf_counter() - start
         self.num_steps += 1
+
+    def wait_output(self) -> ModelRunnerOutput:
+        """The oldest unanswered step's output, from the driver rank (the waiter thread)."""
+        refs = self._pending.get()
+        if refs is None or self.failure is not None:
+            raise WorkerFailed(self.failure or "the step was not sent")
         return self._get(refs)[self.driver_rank]
 
     def _shutdown_workers(self, grace_s: float = 0.0) -> None:
