@@ -31,30 +31,6 @@ constexpr int64_t QK = 32;                                // weights per block
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };          // GGML type ids
 constexpr int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
 
-inline float fp16(const uint8_t* p) {  // IEEE half -> float (little endian)
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if PAGEDSERVE_SIMD
-  return _cvtsh_ss(h);  // one instruction; the bit arithmetic below was a third of a block's
-#endif
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    u = sign;
-  } else {  // subnormal half: a normal float
-    float f = std::ldexp(static_cast<float>(mant), -24);
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // One block's 32 weights as floats (scalar; the generic path and the reference for the SIMD).
 inline void dequant_block(int64_t type, const uint8_t* b, float* dst) {
   const float d = fp16(b);

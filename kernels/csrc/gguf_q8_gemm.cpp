@@ -55,31 +55,6 @@ constexpr int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 2
 constexpr int64_t code_bytes(int64_t t) { return t == Q8_0 ? 32 : 16; }
 constexpr float kInv127 = 1.0f / 127.0f;
 
-inline float half_to_float(const uint8_t* p) {  // IEEE half -> float (little endian)
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if PAGEDSERVE_SIMD
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    u = sign;
-  } else {
-    float f = std::ldexp(static_cast<float>(mant), -24);
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
 // A repacked panel's block: PR * code_bytes codes in 4-byte groups (group g: row r's code
 // bytes 4g..4g+3 at g * 64 + r * 4), then PR fp16 scales, then (Q4_1) PR fp16 minimums.
 void repack(const uint8_t* w, uint8_t* out, int64_t n, int64_t k, int64_t type) {
@@ -161,10 +136,10 @@ void q8_generic(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n
               isum += ((c & 15) - bias) * q[4 * g + t] + ((c >> 4) - bias) * q[16 + 4 * g + t];
             }
           }
-        const float dw = half_to_float(blk + PR * cb + lane * 2);
+        const float dw = fp16(blk + PR * cb + lane * 2);
         acc += static_cast<float>(isum) * (dw * qx.d[i * nb + b]);
         if constexpr (TYPE == Q4_1)
-          acc += half_to_float(blk + PR * cb + PR * 2 + lane * 2) * qx.s[i * nb + b];
+          acc += fp16(blk + PR * cb + PR * 2 + lane * 2) * qx.s[i * nb + b];
       }
       store(acc, out + i * n + j);
     }

@@ -10,6 +10,7 @@
 // to nearest even like convert.h's store()), so the variants differ only in summation order.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -180,6 +181,33 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (; i + Vec::W <= n; i += Vec::W) Vec::store(Vec::load(src + i), dst + i);
 #endif
   for (; i < n; ++i) dst[i] = load(src[i]);
+}
+
+// An IEEE half (GGUF's block scales, little endian, possibly unaligned) as float32: F16C's
+// one instruction where the tier has it (the bit arithmetic was a third of a block's time).
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if PAGEDSERVE_SIMD
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    u = sign;
+  } else {  // subnormal half: a normal float
+    float f = std::ldexp(static_cast<float>(mant), -24);
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
 }
 
 }  // namespace
