@@ -103,6 +103,14 @@ class DataParallelEngine:
         """Until every engine has failed."""
         await asyncio.gather(*(e.wait_failed() for e in self.engines))
 
+    def _count_from_front(self) -> None:
+        """The router's loads from each engine client's own count (``front_load``), exact
+        where the engines' pushed counts lag; an in-process engine keeps none."""
+        for k, engine in enumerate(self.engines):
+            front_load = getattr(engine, "front_load", None)
+            if front_load is not None:
+                self.router.count_from_front(k, *front_load())
+
     def _live(self) -> list[Any]:
         return [e for e, v in zip(self.engines, self.router.engines) if v.failed is None]
 
@@ -120,6 +128,7 @@ class DataParallelEngine:
             log.info("routed", request_id=request_id, engine=pin[0], route_reason="choice of n")
             return pin[0]
         self.failed_engines()  # mark any engine that failed since the last request
+        self._count_from_front()
         try:
             decision: RoutingDecision = self.router.route(prompt_token_ids, cache_salt)
         except NoEngineLeft as e:  # a 503, with every engine's reason
@@ -190,6 +199,7 @@ class DataParallelEngine:
             return None if k in failed else await self.engines[k].get_stats()
 
         per_engine = list(await asyncio.gather(*(one(k) for k in range(len(self.engines)))))
+        self._count_from_front()
         routing = [EngineRouting(v.index, v.num_routed, len(v.cached), v.load, v.failed)
                    for v in self.router.engines]
         return total_stats(per_engine, routing, self.router.policy, time.time())

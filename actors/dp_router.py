@@ -10,19 +10,29 @@ Policies (``--data-parallel-routing``):
 ``prefix`` (default)
     hash the prompt's full blocks on the front, with the engines' function and salt
     (``actors/kv_cache_utils.py``), and pick the engine holding the longest run of the leading
-    hashes; among equals, the lightest. Unless that engine's load (running + waiting) exceeds
-    the lightest engine's by more than ``PREFIX_LOAD_THRESHOLD`` requests: then the lightest
-    wins (its prefill is cheaper than the queue of the busy one). A prompt nobody holds goes
-    to the lightest.
+    hashes; among equals, the lightest. Unless that run covers less than
+    ``PREFIX_MIN_MATCH`` of the prompt's tokens (a chat template's system prompt, which every
+    request shares: a block or two of a few hundred tokens saves little and would pull every
+    request of a burst to the first engine that served one), or that engine's load exceeds
+    the lightest engine's by more than ``PREFIX_LOAD_THRESHOLD`` requests (its queue costs
+    more than the prefill it saves): then the lightest wins. A prompt nobody holds goes to the
+    lightest. The match-rate gate is SGLang's router's ``cache_threshold`` idea.
 ``least-load``
     the lightest engine.
 ``round-robin``
     each engine in turn.
 
-Ties between equally loaded engines go to the one this router has sent fewer requests to, so
-requests that arrive one by one to an idle group still spread. Engines marked failed are never
-chosen. A routed request counts on its engine's waiting count at once (the engine's next
-``EngineLoad`` replaces the guess), so a burst that arrives before any event is spread too.
+An engine's load is the front's own count where the front keeps one (``count_from_front``:
+the ``EngineCoreClient``'s requests sent and not finished, and the prompt tokens of those not
+answered yet), else the engine's pushed running + waiting. Pushed counts lag by what is on the
+wire: an ``EngineLoad`` that left an engine before a routed request reached it undoes the
+router's count of that request, and a measured 32-request burst split 20 / 12 on that alone.
+
+Ties between equally loaded engines go to the one with fewer prompt tokens still to prefill,
+then to the one this router has sent fewer requests to, so a burst splits its prefill work
+evenly and requests that arrive one by one to an idle group still spread. Engines marked
+failed are never chosen. A routed request counts on its engine at once, so a burst that
+arrives before any event or count is spread too.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
 # lightest engine and still get it. About a decode batch's worth on this project's CPU sizes:
 # below it, re-using the prefix saves more than the wait costs.
 PREFIX_LOAD_THRESHOLD = 8
+# The share of a prompt's tokens the prefix holder's cached run must cover to win. Turn k of a
+# conversation re-sends turns 1..k-1: past the first turns, most of it.
+PREFIX_MIN_MATCH = 0.5
 
 
 class NoEngineLeft(EngineOverloaded):
@@ -59,6 +72,10 @@ class EngineView:
     Attributes:
         cached: block hashes in its prefix cache (in use or evictable).
         num_running, num_waiting: its last ``EngineLoad``, plus requests routed since.
+        num_unfinished: the front's count of its unfinished requests (``count_from_front``),
+            plus requests routed since; ``None`` where the front keeps none.
+        unanswered_tokens: prompt tokens of its requests without a first output yet (front's
+            count, plus prompts routed since); 0 where the front keeps none.
         num_routed: requests this router sent it (tie-breaks, and the operators' view).
         failed: why it cannot serve (set by the front), else ``None``.
     """
@@ -67,11 +84,16 @@ class EngineView:
     cached: set[bytes] = field(default_factory=set)
     num_running: int = 0
     num_waiting: int = 0
+    num_unfinished: int | None = None
+    unanswered_tokens: int = 0
     num_routed: int = 0
     failed: str | None = None
 
     @property
     def load(self) -> int:
+        """Requests on the engine: the front's count where kept, else the pushed one."""
+        if self.num_unfinished is not None:
+            return self.num_unfinished
         return self.num_running + self.num_waiting
 
 
@@ -85,7 +107,8 @@ class RoutingDecision:
         matched_blocks: leading prompt blocks the chosen engine holds (its expected hit);
             also counted under ``least-load`` and ``round-robin``.
         loads: every engine's load (running + waiting) when it was chosen; -1 for a failed one.
-        reason: ``prefix``, ``load`` (the prefix holder was too busy, or none held it),
+        reason: ``prefix``, ``load`` (the prefix holder was too busy or held too little of
+            the prompt, or none held any),
             ``least-load`` or ``round-robin``.
     """
 
@@ -139,6 +162,12 @@ class DPRouter:
             elif isinstance(event, EngineLoad):
                 view.num_running, view.num_waiting = event.num_running, event.num_waiting
 
+    def count_from_front(self, index: int, num_unfinished: int, unanswered_tokens: int) -> None:
+        """The front's exact count of engine ``index``'s work, set before each ``route``
+        (``EngineCoreClient.front_load``); it replaces the pushed counts as the load."""
+        view = self.engines[index]
+        view.num_unfinished, view.unanswered_tokens = num_unfinished, unanswered_tokens
+
     def mark_failed(self, index: int, reason: str) -> None:
         view = self.engines[index]
         view.failed = reason
@@ -171,8 +200,11 @@ class DPRouter:
         elif self.policy == "least-load":
             chosen, reason = lightest, "least-load"
         else:
-            best = max(alive, key=lambda v: (matched[v.index], -v.load, -v.num_routed))
-            if matched[best.index] > 0 and best.load - lightest.load <= self.load_threshold:
+            best = max(alive, key=lambda v: (matched[v.index], -v.load, -v.unanswered_tokens,
+                                             -v.num_routed))
+            covered = matched[best.index] * self.block_size
+            if (covered > 0 and covered >= PREFIX_MIN_MATCH * len(prompt_token_ids)
+                    and best.load - lightest.load <= self.load_threshold):
                 chosen, reason = best, "prefix"
             else:
                 chosen, reason = lightest, "load"
@@ -180,6 +212,9 @@ class DPRouter:
             chosen.index, self.policy, matched[chosen.index],
             [v.load if v.failed is None else -1 for v in self.engines], reason)
         chosen.num_waiting += 1  # until the engine's next EngineLoad says better
+        if chosen.num_unfinished is not None:  # until the front's next count
+            chosen.num_unfinished += 1
+        chosen.unanswered_tokens += len(prompt_token_ids)
         chosen.num_routed += 1
         return decision
 
@@ -193,8 +228,8 @@ class DPRouter:
         return alive[0]  # unreachable: alive is not empty
 
 
-def _by_load(view: EngineView) -> tuple[int, int, int]:
-    return (view.load, view.num_routed, view.index)
+def _by_load(view: EngineView) -> tuple[int, int, int, int]:
+    return (view.load, view.unanswered_tokens, view.num_routed, view.index)
 
 
 def _leading_run(hashes: list[BlockHash], cached: set[bytes]) -> int:

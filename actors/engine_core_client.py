@@ -95,6 +95,7 @@ class RemoteRequestStream:
     def _end(self, state: StreamState) -> None:
         self.state = state
         self._client.streams.pop(self._rid, None)
+        self._client._forget(self._rid)  # noqa: SLF001
 
 
 class RemoteBeamSearchStream(RemoteRequestStream):
@@ -132,6 +133,10 @@ class EngineCoreClient:
         self.stat_loggers: list[StatLogger] = []
         self.kv_event_sinks: list[KVEventSink] = []
         self.streams: dict[int, RemoteRequestStream] = {}
+        # The front's own count of this engine's work (``front_load``): per request sent and
+        # not finished, its prompt tokens until its first output arrives, then 0.
+        self._unfinished: dict[int, int] = {}
+        self._unanswered_tokens = 0
         self._hub = hub
         self._wait_stopped = wait_stopped
         self._effective = registration.effective_config
@@ -153,6 +158,7 @@ class EngineCoreClient:
     def _on_message(self, msg: object) -> None:
         if isinstance(msg, m.OutputsMsg):
             for item in msg.items:
+                self._answered(item.rid, item.done)
                 stream = self.streams.get(item.rid)
                 if stream is not None:
                     stream.put(item)
@@ -179,6 +185,8 @@ class EngineCoreClient:
             self._dead.set()
 
     def _end_all(self, error: EngineError) -> None:
+        self._unfinished.clear()
+        self._unanswered_tokens = 0
         wire = m.wire_error(error)
         for rid, stream in list(self.streams.items()):
             stream.put(m.StreamItem(rid, error=wire, done=True))
@@ -202,10 +210,37 @@ class EngineCoreClient:
             m.raise_wire_error(reply.error)
         return reply.value
 
-    async def _admit(self, stream: RemoteRequestStream, msg: object) -> None:
+    # -- the front's count of this engine's work ----------------------------------------------
+
+    def front_load(self) -> tuple[int, int]:
+        """``(requests, prompt tokens)``: the requests this front sent the engine that have
+        not finished (waiting, running, or on the wire either way), and the prompt tokens of
+        those not answered yet (their prefill is still to come). Exact at every moment, unlike
+        the engine's pushed ``EngineLoad``, which cannot count what is still on the wire."""
+        return len(self._unfinished), self._unanswered_tokens
+
+    def _track(self, rid: int, prompt_tokens: int) -> None:
+        self._unfinished[rid] = prompt_tokens
+        self._unanswered_tokens += prompt_tokens
+
+    def _answered(self, rid: int, done: bool) -> None:
+        """An output of ``rid`` arrived: its prompt is answered; ``done``: it is finished."""
+        if done:
+            tokens = self._unfinished.pop(rid, 0)
+        else:
+            tokens = self._unfinished.get(rid, 0)
+            if tokens:
+                self._unfinished[rid] = 0
+        self._unanswered_tokens -= tokens
+
+    def _forget(self, rid: int) -> None:
+        self._answered(rid, done=True)
+
+    async def _admit(self, stream: RemoteRequestStream, msg: object, prompt_tokens: int) -> None:
         """Send the add and wait until the core's scheduler accepts it; a refusal raises what
         ``AsyncEngine`` raises, a cancellation aborts it in the core."""
         self.streams[stream._rid] = stream  # noqa: SLF001
+        self._track(stream._rid, prompt_tokens)  # noqa: SLF001
         try:
             accepted: m.AcceptedMsg = await self._ask(stream._rid, msg)  # noqa: SLF001
         except BaseException:
@@ -232,7 +267,8 @@ class EngineCoreClient:
         stream = RemoteRequestStream(self, rid, request_id)
         await self._admit(stream, m.AddRequestMsg(rid, request_id, list(prompt_token_ids), params,
                                                   priority, cache_salt, grammar is not None,
-                                                  kv_transfer_params))
+                                                  kv_transfer_params),
+                          len(prompt_token_ids))
         return stream
 
     async def beam_search(
@@ -243,7 +279,8 @@ class EngineCoreClient:
         rid = next(self._ids)
         stream = RemoteBeamSearchStream(self, rid, request_id)
         await self._admit(stream, m.BeamSearchMsg(rid, request_id, list(prompt_token_ids), params,
-                                                  stop_token_ids, priority, cache_salt))
+                                                  stop_token_ids, priority, cache_salt),
+                          len(prompt_token_ids))
         return stream
 
     async def generate(

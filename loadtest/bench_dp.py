@@ -12,8 +12,8 @@ same threads, alternated over ``--rounds``:
    of one token each), and a round trip front → core → front (a ``wait_idle`` call on an idle
    engine).
 
-``dp``: for each stream count (default 8 and 32) and each layout, a fresh ``pagedserve serve``
-(the embedded SmolLM2-135M unless ``--model``) and one loadgen run
+``dp``: for each stream count (default 8 and 32), ``--rounds`` times, each layout in turn: a
+fresh ``pagedserve serve`` (the embedded SmolLM2-135M unless ``--model``) and one loadgen run
 (``../shared/bench/loadgen.py``: seeded plain-English prompts, greedy, EOS ignored, every
 server the same workload):
 
@@ -23,8 +23,8 @@ server the same workload):
 
 Both run with ``PAGEDSERVE_CPU_THREADS=--threads`` (fixed: no thread governor, so the two
 layouts get the same cores). Prints markdown tables (``split``: each round's figure; ``dp``:
-output tok/s, TTFT p50/p99, ITL p50, errors) and, with ``--json``, writes the loadgen
-summaries.
+each run's output tok/s, TTFT p50/p99, ITL p50, errors, then the medians and their ratio)
+and, with ``--json``, writes the loadgen summaries.
 
 Usage: ``.venv/bin/python loadtest/bench_dp.py [--part both|split|dp] [--model PATH]
 [--threads 2] [--output-tokens 64] [--rounds 2] [--streams 8,32] [--requests-per-stream 3]
@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -144,20 +145,33 @@ def dp_part(args: argparse.Namespace) -> None:
     ]
     rows = []
     for streams in (int(s) for s in args.streams.split(",")):
-        for layout in layouts:
-            summary = run_one(layout, streams, args)
-            rows.append(summary)
-            print(json.dumps(summary), file=sys.stderr, flush=True)
+        for _ in range(args.rounds):  # layouts alternated: a noisy spell hits both alike
+            for layout in layouts:
+                summary = run_one(layout, streams, args)
+                rows.append(summary)
+                print(json.dumps(summary), file=sys.stderr, flush=True)
     print("| layout | streams | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | errors |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         name, _, streams = r["label"].rpartition(" x")
         print(f"| {name} | {streams} | {r['output_tok_per_s']} | {r['ttft_ms_p50']} | "
               f"{r['ttft_ms_p99']} | {r['itl_ms_p50']} | {r['errors']} |")
+    print(f"\nMedians of {args.rounds} round(s):\n")
+    print("| streams | dp=1 tok/s | dp=2 tok/s | dp=2 / dp=1 | TTFT p99 ms dp=1 → dp=2 |")
+    print("|---|---|---|---|---|")
+    for streams in sorted({r["label"].rpartition(" x")[2] for r in rows}, key=int):
+        med = [_median(rows, layout["name"], streams) for layout in layouts]
+        print(f"| {streams} | {med[0][0]:.1f} | {med[1][0]:.1f} | {med[1][0] / med[0][0]:.2f}x "
+              f"| {med[0][1]:.0f} → {med[1][1]:.0f} |")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
 
 
+def _median(rows: list[dict], name: str, streams: str) -> tuple[float, float]:
+    """Median output tok/s and TTFT p99 of one layout's runs at one stream count."""
+    mine = [r for r in rows if r["label"] == f"{name} x{streams}"]
+    return (statistics.median(r["output_tok_per_s"] for r in mine),
+            statistics.median(r["ttft_ms_p99"] for r in mine))
 
 
 def main() -> None:
@@ -167,7 +181,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--threads", type=int, default=2, help="forward-pass threads in all")
     p.add_argument("--output-tokens", type=int, default=64, help="split: tokens per request")
-    p.add_argument("--rounds", type=int, default=2, help="split: rounds, layouts alternated")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds, layouts alternated (dp: medians over them)")
     p.add_argument("--served-name", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--streams", default="8,32", help="dp: loadgen concurrencies")
     p.add_argument("--routing", default="prefix", help="dp: dp=2's --data-parallel-routing")

@@ -185,3 +185,36 @@ async def test_a_real_engine_pushes_its_load_and_blocks(tiny_model_dir):
         assert router.engines[0].cached == set()
     finally:
         await engine.shutdown()
+
+
+def test_a_short_shared_prefix_does_not_pull_a_burst_to_its_holder():
+    """A chat template's system prompt is a block or two that every request shares: the
+    engine that served the first request holds it, and must not draw the next ones while the
+    other engine is lighter. A long match still does."""
+    router = DPRouter(2, "prefix", BS)
+    engines = [Engine(k, router.on_kv_events) for k in range(2)]
+    engines[0].run(list(range(4)))  # one block: the "system prompt"
+    engines[0].events.flush(1, 0)  # and it still runs that first request
+    chosen = [router.route(list(range(4)) + [100 + i] * 12).engine for i in range(6)]
+    assert chosen == [1, 0, 1, 0, 1, 0]  # 4 of 16 tokens matched: balanced by load
+    d = router.route(list(range(4)) + [7] * 3)  # 4 of 7 tokens cached on engine 0
+    assert (d.engine, d.reason, d.matched_blocks) == (0, "prefix", 1)
+
+
+def test_the_fronts_count_replaces_the_lagging_pushed_one():
+    """An ``EngineLoad`` sent before a routed request reached the engine says 0; the front's
+    own count (requests sent, not finished) is what the router compares; among equal counts,
+    the engine with fewer prompt tokens still to prefill wins."""
+    router = DPRouter(2, "least-load", BS)
+    engines = [Engine(k, router.on_kv_events) for k in range(2)]
+    engines[0].events.flush(0, 0)  # stale: the engine has not seen its 3 requests yet
+    engines[1].events.flush(2, 0)
+    router.count_from_front(0, 3, 300)
+    router.count_from_front(1, 2, 0)
+    d = router.route([1] * 40)
+    assert (d.engine, d.loads) == (1, [3, 2])
+    assert (router.engines[1].load, router.engines[1].unanswered_tokens) == (3, 40)
+    router.count_from_front(1, 3, 50)  # equal counts: fewer tokens to prefill wins
+    assert router.route([1] * 40).engine == 1
+    router.count_from_front(1, 3, 400)
+    assert router.route([1] * 40).engine == 0

@@ -222,6 +222,28 @@ async def test_prefix_routing_keeps_the_hit_rate_round_robin_loses_it(servers, t
     assert rr < one - 0.15, (rr, one)  # a turn lands away from its prefix half the time
 
 
+async def test_a_burst_sharing_only_a_short_prefix_is_split_between_engines(servers):
+    """Eight prompts at once that share one 16-token block (a system prompt's worth) of 64
+    tokens: the engine holding that block must not draw them all (it saves a block each, and
+    queues eight); the router's own count splits them."""
+    url = servers["loopback"][2]
+    rng = random.Random(3)
+    head = [rng.randrange(100, 40000) for _ in range(16)]
+    prompts = [head + [rng.randrange(100, 40000) for _ in range(48)] for _ in range(9)]
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def one(prompt: list[int]) -> None:
+            r = await client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+
+        await one(prompts[0])  # now one engine holds the shared block
+        before = [e["num_routed"] for e in (await stats(client))["engines"]]
+        await asyncio.gather(*(one(p) for p in prompts[1:]))
+        after = [e["num_routed"] for e in (await stats(client))["engines"]]
+    routed = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(routed) == 8 and min(routed) >= 3, routed
+
+
 async def _stats(url: str) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         return await stats(client)
