@@ -146,9 +146,10 @@ class CudaGraphRunner:
         self.stage = StageBuffers.of(layout, self.sizes[-1], model.config.hidden_size,
                                      model.hidden_dtype, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        # Under parallelism, "thread_local": the process group's watchdog thread queries the
-        # events of collectives run before the capture (the warm-up's), which the default
-        # "global" mode would count against the capture (torch PRs 104487 and 105182).
+        # Under parallelism, "thread_local" (NCCL's guide allows it; nccl-tests captures so):
+        # the process group's watchdog thread may query the events of collectives run before
+        # the capture (the warm-up's), which "global" would count against the capture (torch
+        # PRs 104487 and 105182). The capturing thread is still checked as before.
         mode = "global" if self.parallel is None else "thread_local"
         pool = None
         with torch.inference_mode():
