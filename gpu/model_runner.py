@@ -127,7 +127,7 @@ class ModelRunner:
             self.cache_config.kv_transfer_config, self.kv_caches, self.parallel)
         if self.device.type == "cpu":
             self._log_memory()
-        if self.device.type == "cuda" and not mc.enforce_eager and self.parallel is None:
+        if self.device.type == "cuda" and not mc.enforce_eager:  # on every rank alike
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
@@ -255,6 +255,8 @@ class ModelRunner:
         return peak
 
     def _capture_cuda_graphs(self) -> None:
+        """Decode graphs (``gpu/cuda_graph.py``); under parallelism every rank calls this at
+        load, together, and captures the same batch sizes in the same order."""
         if self.attn_backend.name != "triton":
             log.warning("cuda_graphs_off", reason="only the triton attention backend is captured")
             return
@@ -264,7 +266,8 @@ class ModelRunner:
             self.model, self.kv_caches, self.max_num_seqs, max_blocks_per_seq, self.block_size,
             self.device,
         )
-        log.info("cuda_graphs_ready", seconds=round(time.perf_counter() - start, 2))
+        log.info("cuda_graphs_ready", seconds=round(time.perf_counter() - start, 2),
+                 rank=None if self.parallel is None else self.parallel.layout.rank)
 
     def _eos_token_ids(self, path) -> list[int]:
         """EOS ids from the generation config (may list several), else the model config."""
@@ -323,6 +326,8 @@ class ModelRunner:
             known.extend(r.spec_token_ids)
         reqs = order_batch(so.scheduled)
         # Prompt logprobs take extra logits rows, which a captured graph does not compute.
+        # Replay or not is decided from the step alone: under parallelism every rank gets the
+        # same step, so all replay (and meet in the graphs' collectives) or all run eagerly.
         wants_prompt_lps = any(r.prompt_logprobs is not None for r in reqs)
         if (self.cuda_graphs is not None and not wants_prompt_lps
                 and self.cuda_graphs.can_run(reqs)):

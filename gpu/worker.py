@@ -98,9 +98,11 @@ class Worker:
                                   spec.max_num_seqs, parallel=parallel)
 
     def load(self):
-        """``(ModelInfo, RankLayout.describe() with the pid)``."""
+        """``(ModelInfo, RankLayout.describe() with the pid and whether this rank captured
+        CUDA graphs)``."""
         info = self.runner.load()
-        return info, {**self.runner.parallel.layout.describe(), "pid": os.getpid()}
+        return info, {**self.runner.parallel.layout.describe(), "pid": os.getpid(),
+                      "cuda_graphs": self.runner.cuda_graphs is not None}
 
     def execute(self, scheduler_output):
         """The step's ``ModelRunnerOutput`` on the rank that samples, ``None`` elsewhere."""

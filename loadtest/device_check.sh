@@ -7,9 +7,10 @@
 #   3. copy bandwidth, then each kernel's time against its floor (bytes moved / bandwidth);
 #   4. a serving benchmark: 64 concurrent requests, output tokens/s, decode step vs its floor,
 #      with CUDA graphs and with --enforce-eager;
-#   5. the parallel workers on CUDA (loadtest/device_check_parallel.py): tp=2 over NCCL, one
-#      GPU per worker, when the machine has two or more GPUs, else tp=1 through the same
-#      worker path; greedy float32 tokens against tp=1 in the server's process;
+#   5. the parallel workers on CUDA (loadtest/device_check_parallel.py): tp=2 and pp=2 over
+#      NCCL, one GPU per worker, when the machine has two or more GPUs, else tp=1 through the
+#      same worker path, CUDA graphs on every rank (each rank says whether it captured them);
+#      greedy float32 tokens against the eager tp=1 in the server's process;
 #   6. the summary tables, printed last.
 # The full log goes to $OUT/device_check.log (and the JSON results next to it) when OUT is set,
 # else to artifacts/. DRY_RUN=1 runs the same steps on a CPU machine (tiny shapes, Triton
@@ -57,7 +58,7 @@ step kernel_tests 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels te
 step kernel_timings 90 "$PY" loadtest/device_check.py kernels $DRY
 step serve 180 "$PY" loadtest/device_check.py serve $DRY
 echo "GPUs: $(nvidia-smi -L 2>/dev/null | wc -l)"
-step parallel 120 "$PY" loadtest/device_check_parallel.py $DRY
+step parallel 150 "$PY" loadtest/device_check_parallel.py $DRY
 "$PY" loadtest/device_check.py summary
 for name in install kernel_tests kernel_timings serve parallel; do
   echo "$name: ${STATUS[$name]:-not run}"

@@ -1,15 +1,20 @@
-"""Device check, the parallel half (issue 13's CUDA path): the worker processes on CUDA.
+"""Device check, the parallel half (issue 13's CUDA path): the worker processes on CUDA, with
+CUDA graphs on every rank.
 
     python loadtest/device_check_parallel.py            # on the lent machine
     python loadtest/device_check_parallel.py --dry-run  # the same code on the CPU, tiny model
 
-With two or more GPUs: tp=2 over NCCL, one device per worker (the mp executor's workers each
-see one GPU through ``CUDA_VISIBLE_DEVICES``, as vLLM's), against tp=1 in the server's process.
-With one GPU: tp=1 through the same worker path (``MultiprocExecutor`` with one rank: a spawned
-worker, NCCL's process group of one, the pipe broadcast), against tp=1 in process. The dry run
-does both on the CPU (gloo). Each layout serves the same concurrent greedy float32 requests
-over HTTP (``device_check.serve_concurrent``): output tok/s, and whether its tokens equal the
-in-process tp=1 engine's. Writes ``device_check_parallel.json`` (``$OUT`` or ``artifacts/``).
+The oracle: tp=1 in the server's process with ``--enforce-eager``. With two or more GPUs:
+tp=2 over NCCL, one device per worker (the mp executor's workers each see one GPU through
+``CUDA_VISIBLE_DEVICES``, as vLLM's), and pp=2 (the stages' send/recv around each graph's
+replay). With one GPU: tp=1 through the same worker path (``MultiprocExecutor`` with one rank:
+a spawned worker, NCCL's process group of one, the pipe broadcast). Every worker layout runs
+with CUDA graphs (not ``--enforce-eager``); each rank reports whether it captured them
+(``cuda_graphs`` in ``/admin/stats``' ``model.parallel``), and on CUDA a rank without them
+fails the check. The dry run does all the layouts on the CPU (gloo; no graphs there). Each
+layout serves the same concurrent greedy float32 requests over HTTP
+(``device_check.serve_concurrent``): output tok/s, and whether its tokens equal the eager
+in-process engine's. Writes ``device_check_parallel.json`` (``$OUT`` or ``artifacts/``).
 
 The model: a random Llama of SmolLM2-135M's width with 8 heads and 4 KV heads (SmolLM2's 9
 heads do not split in two), SmolLM2's tokenizer; two layers of width 64 in the dry run.
@@ -57,9 +62,9 @@ def build_model(dry: bool) -> str:
     return str(dst)
 
 
-async def serve_layout(model: str, device: str, tp: int, workers: bool, concurrency: int,
-                       max_tokens: int) -> dict:
-    """One engine (``tp`` ranks; ``workers``: through the mp executor even for one rank)."""
+async def serve_layout(model: str, device: str, tp: int, pp: int, workers: bool,
+                       concurrency: int, max_tokens: int, enforce_eager: bool = False) -> dict:
+    """One engine (``tp × pp`` ranks; ``workers``: through the mp executor even for one)."""
     from pagedserve.actors import engine as engine_module
     from pagedserve.actors.config import SchedulerConfig
     from pagedserve.actors.engine import AsyncEngine, EngineConfig
@@ -67,12 +72,13 @@ async def serve_layout(model: str, device: str, tp: int, workers: bool, concurre
     from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 
     config = EngineConfig(
-        model=ModelConfig(model=model, device=device, dtype="float32", max_model_len=512),
+        model=ModelConfig(model=model, device=device, dtype="float32", max_model_len=512,
+                          enforce_eager=enforce_eager),
         cache=CacheConfig(num_gpu_blocks_override=512),
         scheduler=SchedulerConfig(max_num_seqs=max(concurrency, 2)),
-        parallel=ParallelConfig(tp))
+        parallel=ParallelConfig(tp, pp))
     original = engine_module.make_executor
-    if workers and tp == 1:  # the worker path for one rank: what make_executor does for more
+    if workers and tp * pp == 1:  # the worker path for one rank: what make_executor does for more
         async def worker_executor(model, cache, parallel, max_batched, max_seqs, draft=None):
             return MultiprocExecutor(model, cache, parallel, max_batched, max_seqs)
         engine_module.make_executor = worker_executor
@@ -87,8 +93,13 @@ async def serve_layout(model: str, device: str, tp: int, workers: bool, concurre
         steps = getattr(engine.executor, "num_steps", 0)
     finally:
         await engine.shutdown()
-    return {"tp": tp, "workers": workers or tp > 1, "executor": type(engine.executor).__name__,
-            "layout": layout, **served,
+    return {"tp": tp, "pp": pp, "workers": workers or tp * pp > 1,
+            "executor": type(engine.executor).__name__, "enforce_eager": enforce_eager,
+            "layout": layout,
+            # Per rank, whether it captured decode graphs (None: in the server's process).
+            "cuda_graphs_per_rank": None if layout is None else [r.get("cuda_graphs")
+                                                                 for r in layout],
+            **served,
             "broadcast_us_per_step": round(bcast / steps * 1e6, 1) if steps else None}
 
 
@@ -99,14 +110,15 @@ def parallel_step(dry: bool) -> dict:
     device = "cpu" if dry else "cuda"
     concurrency, max_tokens = (4, 8) if dry else (16, 64)
     model = build_model(dry)
-    cases = [(1, False)]
+    cases = [(1, 1, False)]  # (tp, pp, through the workers); the first: the eager oracle
     if dry or gpus < 2:
-        cases.append((1, True))
+        cases.append((1, 1, True))
     if dry or gpus >= 2:
-        cases.append((2, True))
+        cases += [(2, 1, True), (1, 2, True)]
     out = {"gpus": gpus, "device": device, "runs": []}
-    for tp, workers in cases:
-        r = asyncio.run(serve_layout(model, device, tp, workers, concurrency, max_tokens))
+    for i, (tp, pp, workers) in enumerate(cases):
+        r = asyncio.run(serve_layout(model, device, tp, pp, workers, concurrency, max_tokens,
+                                     enforce_eager=i == 0))
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -115,6 +127,9 @@ def parallel_step(dry: bool) -> dict:
     oracle = out["runs"][0]["first_tokens"]
     for r in out["runs"][1:]:
         r["tokens_equal_tp1_in_process"] = r["first_tokens"] == oracle
+        # On CUDA every worker rank captures graphs; on the CPU none does.
+        r["graphs_as_expected"] = r["cuda_graphs_per_rank"] == [device == "cuda"] * (
+            r["tp"] * r["pp"])
     save("parallel", out)
     return out
 
@@ -122,10 +137,11 @@ def parallel_step(dry: bool) -> dict:
 def summary(out: dict) -> None:
     print(f"\n=== parallel device check ({out['device']}, {out['gpus']} GPUs) ===")
     for r in out["runs"]:
-        path = f"{r['executor']} tp={r['tp']}"
-        same = r.get("tokens_equal_tp1_in_process", "(the oracle)")
-        print(f"{path:28s} {r['output_tok_s']:>8} output tok/s  broadcast "
-              f"{r['broadcast_us_per_step']} us/step  tokens == tp=1 in process: {same}")
+        path = f"{r['executor']} tp={r['tp']} pp={r['pp']}"
+        same = r.get("tokens_equal_tp1_in_process", "(the eager oracle)")
+        print(f"{path:33s} {r['output_tok_s']:>8} output tok/s  broadcast "
+              f"{r['broadcast_us_per_step']} us/step  graphs per rank: "
+              f"{r['cuda_graphs_per_rank']}  tokens == eager tp=1 in process: {same}")
 
 
 def main() -> None:
@@ -136,7 +152,8 @@ def main() -> None:
     args = parser.parse_args()
     out = parallel_step(args.dry_run)
     summary(out)
-    failed = [r for r in out["runs"][1:] if not r["tokens_equal_tp1_in_process"]]
+    failed = [r for r in out["runs"][1:]
+              if not (r["tokens_equal_tp1_in_process"] and r["graphs_as_expected"])]
     sys.exit(1 if failed else 0)
 
 

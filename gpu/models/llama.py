@@ -261,24 +261,67 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits ``[len(inputs.logits_indices), vocab]`` of the step's sampled rows.
 
         ``kv_caches``: one per layer this rank runs. Under parallelism, only the rank that
-        samples (``RankLayout.is_driver``) gets the logits; the others return ``None``.
+        samples (``RankLayout.is_driver``) gets the logits; the others return ``None``. A
+        non-first stage receives its input from the previous stage, a non-last stage sends its
+        output on (around ``stage_forward``, which is what a CUDA graph captures).
         """
-        pp, m = self.parallel, self.model
-        if pp is None or pp.layout.is_first_stage:
-            x, residual = m.embed_tokens(inputs.input_ids), None  # [T, hidden]
+        pp = self.parallel
+        received = None
+        if pp is not None and not pp.layout.is_first_stage:
+            received = pp.recv_packed(torch.empty(
+                (2, inputs.input_ids.shape[0], self.config.hidden_size), dtype=self.hidden_dtype,
+                device=inputs.input_ids.device))
+        out = self.stage_forward(inputs, kv_caches, received)
+        if pp is not None and not pp.layout.is_last_stage:
+            pp.send_packed(out)
+            return None
+        return out
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states and residuals passed between stages."""
+        m = self.model
+        return m.layers[m.first_layer].input_layernorm.weight.dtype
+
+    def stage_forward(self, inputs: StepInputs, kv_caches: list[KVCache],
+                      received: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This rank's share of the step between the stage's receive and its send: no
+        point-to-point transfer, only the stage's tensor-parallel collectives.
+
+        ``received``: ``[2, T, hidden]`` (hidden, residual) from the previous stage, on a
+        non-first stage (``None`` on the first: it embeds ``inputs.input_ids``). Returns, on
+        the last stage, the logits as ``forward`` does (``None`` on a rank that does not
+        sample), else the ``[2, T, hidden]`` to send to the next stage.
+        """
+        if received is None:
+            x, residual = self.embed(inputs.input_ids), None
         else:
-            x, residual = pp.recv_prev(inputs.input_ids.shape[0], self.config.hidden_size,
-                                       m.layers[m.first_layer].input_layernorm.weight.dtype)
+            x, residual = received[0], received[1]
+        x, residual = self.run_layers(x, residual, inputs, kv_caches)
+        if self.parallel is not None and not self.parallel.layout.is_last_stage:
+            return torch.stack((x, residual))
+        return self.compute_logits(x, residual, inputs.logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids → ``[T, hidden]`` (the first stage's; vocab-parallel under tp)."""
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, inputs: StepInputs,
+                   kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's decoder layers over ``x`` ``[T, hidden]``: ``(mlp_out, residual)``."""
+        m = self.model
         rope = m.rotary_emb.step(inputs.positions)
         for layer, kv_cache in zip(m.layers[m.first_layer:m.end_layer], kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, inputs.attn)
-        if pp is not None and not pp.layout.is_last_stage:
-            pp.send_next(x, residual)
-            return None
-        # Only the rows that are sampled.
-        rows = inputs.logits_indices
-        x, _ = m.norm(x[rows], residual[rows])
+        return x, residual
+
+    def compute_logits(self, x: torch.Tensor, residual: torch.Tensor,
+                       rows: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's end: the final norm and ``lm_head`` over the sampled ``rows``
+        only, gathered over the tensor-parallel ranks; float32 ``[len(rows), vocab]``, or
+        ``None`` on a rank that does not sample."""
+        x, _ = self.model.norm(x[rows], residual[rows])
         logits = self.lm_head(x)  # gathered before the cast: half the bytes in bfloat16
-        if pp is not None:
-            logits = pp.gather_logits(logits, self.config.vocab_size)
+        if self.parallel is not None:
+            logits = self.parallel.gather_logits(logits, self.config.vocab_size)
         return None if logits is None else logits.float()

@@ -10,7 +10,11 @@ group of their own. The model calls three things per step (vLLM's
   (the one that samples) and ``None`` elsewhere;
 - ``send``/``recv``: hidden states and residuals ``[T, hidden]`` from one stage to the next,
   rank ``t`` of stage ``s`` to rank ``t`` of stage ``s + 1`` (after the all-reduce every
-  tensor-parallel rank holds the same values, so each feeds its counterpart).
+  tensor-parallel rank holds the same values, so each feeds its counterpart), packed as one
+  ``[2, T, hidden]`` tensor.
+
+On CUDA the all-reduce and the logits' all-gather run inside a decode step's captured graph
+(``gpu/cuda_graph.py``); send/recv never do (the graph runner calls them around ``replay``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import torch.distributed as dist
 
 from pagedserve.gpu.parallel.layout import RankLayout
 
+# One tensor per rank into one output tensor: torch 2.13's name, else the older one (the same
+# call; torch 2.13 deprecates the older name).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # A worker waits for its peers at start-up and inside collectives; idle time between steps is
 # spent in the executor's pipe, never in a collective, so this bounds only a hung peer.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -34,6 +42,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def vocab_columns(gathered: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-gather's ``[tp * N, V/tp]`` (rank ``r``'s rows at ``r * N``) → the logits
+    ``[N, vocab_size]``: rank ``r``'s columns at ``r * V/tp``, the padding columns dropped."""
+    per_rank = gathered.shape[1]
+    # [tp, N, V/tp] → [N, tp, V/tp] → [N, tp * V/tp]
+    parts = gathered.view(-1, num_rows, per_rank).transpose(0, 1)
+    return parts.reshape(num_rows, -1)[:, :vocab_size]
 
 
 @dataclass(slots=True)
@@ -72,6 +89,8 @@ class ParallelContext:
         columns dropped), ``None`` on the others."""
         if self.tp_group is None:
             return logits[:, :vocab_size]
+        if self.device.type == "cuda":
+            return self._all_gather_logits(logits, vocab_size)
         first = self.tp_ranks[0]
         parts = ([torch.empty_like(logits) for _ in self.tp_ranks]
                  if self.layout.tp_rank == 0 else None)
@@ -80,18 +99,29 @@ class ParallelContext:
             return None
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
-    def send_next(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """To the same tensor-parallel rank of the next stage."""
-        dst = self.layout.rank + self.layout.tp_size
-        dist.send(torch.stack((hidden, residual)).contiguous(), dst)
+    def _all_gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """On CUDA: every rank's ``[N, V/tp]`` into one ``[tp * N, V/tp]`` on every rank (one
+        collective of fixed shapes, captured in a decode graph like the all-reduces), put in
+        order on the first rank. Not ``dist.gather``: NCCL has no gather, and
+        ProcessGroupNCCL builds one from grouped point-to-point sends and receives, whose
+        capture NCCL's guide ("Using NCCL with CUDA Graphs") names as a special case (a
+        pair's first exchange connects lazily, which a capture may not do)."""
+        n, per_rank = logits.shape
+        out = torch.empty((len(self.tp_ranks) * n, per_rank), dtype=logits.dtype,
+                          device=logits.device)
+        _all_gather_single(out, logits.contiguous(), group=self.tp_group)
+        return None if self.layout.tp_rank != 0 else vocab_columns(out, n, vocab_size)
 
-    def recv_prev(self, num_tokens: int, hidden_size: int,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the same tensor-parallel rank of the previous stage: ``(hidden, residual)``,
-        each ``[num_tokens, hidden_size]``."""
-        buf = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=self.device)
+    def send_packed(self, packed: torch.Tensor) -> None:
+        """``[2, T, hidden]`` (hidden, residual) to the same tensor-parallel rank of the next
+        stage."""
+        dist.send(packed.contiguous(), self.layout.rank + self.layout.tp_size)
+
+    def recv_packed(self, buf: torch.Tensor) -> torch.Tensor:
+        """Into ``buf`` ``[2, T, hidden]`` (contiguous; a CUDA graph's persistent input), from
+        the same tensor-parallel rank of the previous stage; returns it."""
         dist.recv(buf, self.layout.rank - self.layout.tp_size)
-        return buf[0], buf[1]
+        return buf
 
     def destroy(self) -> None:
         if dist.is_initialized():

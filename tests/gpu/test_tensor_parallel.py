@@ -55,16 +55,33 @@ def _rank(path: str, layouts: list[tuple[int, int]], rank: int, ports: list[int]
         parallel = ParallelContext.init(layout, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
         try:
             out = _logits(_runner(path, parallel))
+            gathers_agree = _gathers_agree(parallel)
         finally:
             parallel.destroy()
         # As numpy arrays: pickled by value (a tensor would go by a file descriptor that
         # dies with this process).
         if layout.is_driver:
-            results.put(((tp, pp), [t.numpy() for t in out]))
+            results.put(((tp, pp), ([t.numpy() for t in out], gathers_agree)))
+
+
+def _gathers_agree(parallel: ParallelContext) -> bool | None:
+    """The logits' all-gather that CUDA runs (inside decode graphs), here over gloo, against
+    the gather the CPU runs: on the stage's first rank the same ``[N, vocab]`` (3 padding
+    columns dropped), on the others ``None`` from both. ``None`` without tensor parallelism."""
+    tp, tp_rank = parallel.layout.tp_size, parallel.layout.tp_rank
+    if tp == 1:
+        return None
+    part = torch.arange(15, dtype=torch.float32).view(3, 5) + 100 * tp_rank
+    want = parallel.gather_logits(part, 5 * tp - 3)
+    have = parallel._all_gather_logits(part, 5 * tp - 3)
+    if tp_rank != 0:
+        return want is None and have is None
+    return want.shape == (3, 5 * tp - 3) and torch.equal(have, want)
 
 
 def parallel_logits(path: str, layouts: list[tuple[int, int]]) -> dict:
-    """``{(tp, pp): logits of each step}``, every layout over the same 4 processes."""
+    """``{(tp, pp): (logits of each step, whether the driver's two gathers agreed)}``, every
+    layout over the same 4 processes."""
     ctx = mp.get_context("spawn")
     results, ports = ctx.Queue(), [free_port() for _ in layouts]
     procs = [ctx.Process(target=_rank, args=(path, layouts, r, ports, results))
@@ -75,7 +92,7 @@ def parallel_logits(path: str, layouts: list[tuple[int, int]]) -> dict:
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return {k: [torch.from_numpy(a) for a in v] for k, v in got.items()}
+    return {k: ([torch.from_numpy(a) for a in v], agree) for k, (v, agree) in got.items()}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +107,8 @@ def test_parallel_logits_equal_single_process(tiny_model_dir, single_logits):
     layouts = [(2, 2), (4, 1)]
     got = parallel_logits(str(tiny_model_dir), layouts)
     for layout in layouts:
-        for step, (want, have) in enumerate(zip(single_logits, got[layout])):
+        assert got[layout][1] is True, f"{layout}: all-gather of the logits != gather"
+        for step, (want, have) in enumerate(zip(single_logits, got[layout][0])):
             assert have.shape == want.shape
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5,
                                        msg=f"{layout} step {step}")

@@ -48,6 +48,7 @@ def check_layout(layout: list[dict], tp: int, pp: int) -> None:
     assert [(r["rank"], r["tp_rank"], r["pp_rank"], r["layers"], r["q_heads"], r["kv_heads"])
             for r in layout] == LAYOUTS[(tp, pp)]
     assert len({r["pid"] for r in layout}) == tp * pp
+    assert [r["cuda_graphs"] for r in layout] == [False] * (tp * pp)  # the CPU captures none
 
 
 async def check_batched_chunked_preempted(client: httpx.AsyncClient, model_dir: Path) -> None:
