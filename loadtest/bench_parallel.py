@@ -1,9 +1,10 @@
 """What tensor and pipeline parallelism cost on this machine (issue 13), in one run.
 
 1. Collectives, between two spawned gloo ranks on the CPU: one ``all_reduce`` of a decode's
-   hidden states ``[S, hidden]`` float32 (two per layer), and the step's broadcast of a pickled
-   32-request decode ``SchedulerOutput``: over pipes (what the mp executor does) and, for
-   comparison, with ``torch.distributed.broadcast_object_list`` over gloo.
+   hidden states ``[S, hidden]`` float32 (two per layer), over gloo and over shared memory
+   (``gpu/parallel/shm_all_reduce.py``, what the model's runs on one machine), and the step's
+   broadcast of a pickled 32-request decode ``SchedulerOutput``: over pipes (what the mp
+   executor does) and, for comparison, with ``torch.distributed.broadcast_object_list``.
 2. Where a tp=2 step goes: one rank's ``ModelRunner`` decode step of 1 and 32 requests
    (one thread a rank, two spawned ranks) against tp=1's (two threads), with the time inside
    its all-reduces (per call, and per step: two a layer and the embedding's) and in the
@@ -41,6 +42,7 @@ from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.cpu_threads import cpu_threads
 from pagedserve.gpu.parallel.comm import free_port
+from pagedserve.gpu.parallel.shm_all_reduce import ShmAllReduce
 from pagedserve.gpu.sampling_params import SamplingParams
 
 HIDDEN = 576
@@ -74,6 +76,7 @@ def _collective_rank(rank: int, port: int, results, iters: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     out = {}
+    shm = ShmAllReduce.create_for_group(dist.group.WORLD, [0, 1])
     for rows in (1, 32):
         x = torch.randn(rows, HIDDEN)
         dist.barrier()
@@ -81,6 +84,13 @@ def _collective_rank(rank: int, port: int, results, iters: int) -> None:
         for _ in range(iters):
             dist.all_reduce(x)
         out[f"all_reduce_us_{rows}x{HIDDEN}"] = (time.perf_counter() - start) / iters * 1e6
+        if shm is not None:  # what ParallelContext.all_reduce runs on one CPU machine
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                shm.all_reduce(x)
+            out[f"shm_all_reduce_us_{rows}x{HIDDEN}"] = ((time.perf_counter() - start)
+                                                         / iters * 1e6)
     so = decode_step()
     dist.barrier()
     start = time.perf_counter()

@@ -19,6 +19,7 @@ On CUDA the all-reduce and the logits' all-gather run inside a decode step's cap
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,10 +28,14 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.gpu.parallel.layout import RankLayout
+from pagedserve.gpu.parallel.shm_all_reduce import ShmAllReduce
 
 # One tensor per rank into one output tensor: torch 2.13's name, else the older one (the same
 # call; torch 2.13 deprecates the older name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# "gloo" keeps the CPU all-reduce on gloo (the shared-memory one's A/B, and its way out).
+TP_ALL_REDUCE_ENV = "PAGEDSERVE_TP_ALL_REDUCE"
 
 # A worker waits for its peers at start-up and inside collectives; idle time between steps is
 # spent in the executor's pipe, never in a collective, so this bounds only a hung peer.
@@ -61,6 +66,7 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None
     tp_ranks: list[int]
     device: torch.device
+    shm: ShmAllReduce | None = None  # the CPU all-reduce of one machine's ranks
 
     @classmethod
     def init(cls, layout: RankLayout, init_method: str, device: torch.device) -> ParallelContext:
@@ -76,11 +82,15 @@ class ParallelContext:
             group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT) if tp > 1 else None
             if stage == layout.pp_rank:
                 mine, my_ranks = group, ranks
-        return cls(layout, mine, my_ranks, device)
+        shm = None
+        if (device.type == "cpu" and mine is not None
+                and os.environ.get(TP_ALL_REDUCE_ENV, "shm") != "gloo"):
+            shm = ShmAllReduce.create_for_group(mine, my_ranks)
+        return cls(layout, mine, my_ranks, device, shm)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the stage's tensor-parallel ranks, in place; returns it."""
-        if self.tp_group is not None:
+        if self.tp_group is not None and (self.shm is None or not self.shm.all_reduce(x)):
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -91,6 +101,10 @@ class ParallelContext:
             return logits[:, :vocab_size]
         if self.device.type == "cuda":
             return self._all_gather_logits(logits, vocab_size)
+        if self.shm is not None:
+            parts = self.shm.gather(logits.contiguous())
+            if parts is not False:
+                return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
         first = self.tp_ranks[0]
         parts = ([torch.empty_like(logits) for _ in self.tp_ranks]
                  if self.layout.tp_rank == 0 else None)
