@@ -36,7 +36,10 @@ import torch.distributed as dist
 
 log = structlog.get_logger(__name__)
 
-MAX_BYTES = 8 << 20  # per rank and buffer set: [2048, 1024] float32; larger goes to gloo
+# Per rank and buffer set: a decode's hidden states and a step's sampled logits; a long
+# prefill chunk's larger all-reduces go to gloo. tp=4 maps 32 MiB of /dev/shm (Docker gives
+# 64 MiB unless --shm-size or --ipc=host), reserved at creation.
+MAX_BYTES = 4 << 20
 _LINE = 64  # bytes per rank's header line
 _SPIN = 256  # flag reads before each sched_yield (a peer usually arrives within µs)
 _CHECK_EVERY = 20000  # waiting turns between two looks at a peer's pid
@@ -80,12 +83,12 @@ class ShmAllReduce:
             log.info("tp_all_reduce", transport="gloo", reason="ranks on several machines"
                      if keys[0][2] else "not x86-64")
             return None
-        name = [None]
+        name: list[str | None] = [None]
         if index == 0:
-            name[0] = f"/dev/shm/pagedserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(name[0], "wb") as f:
-                f.truncate(len(ranks) * _LINE + 2 * len(ranks) * MAX_BYTES)
+            name[0] = _create_region(len(ranks))
         dist.broadcast_object_list(name, src=ranks[0], group=group)
+        if name[0] is None:  # no room in /dev/shm: every rank stays on gloo
+            return None
         try:
             comm = cls(name[0], index, len(ranks))
         finally:
@@ -167,6 +170,23 @@ class ShmAllReduce:
         if state in ("Z", "X", "gone"):
             raise PeerGone(f"tensor-parallel rank {peer} (pid {pid}) exited during an "
                            "all-reduce")
+
+
+def _create_region(world: int) -> str | None:
+    """A fresh region's path, its pages reserved (a full ``/dev/shm`` would otherwise show up
+    as SIGBUS on a later write); ``None`` when there is no room."""
+    path = f"/dev/shm/pagedserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    size = world * _LINE + 2 * world * MAX_BYTES
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.unlink(path)
+        log.warning("tp_all_reduce", transport="gloo", reason=f"/dev/shm: {e}", bytes=size)
+        return None
+    finally:
+        os.close(fd)
+    return path
 
 
 def _boot_id() -> str:
