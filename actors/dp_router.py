@@ -106,7 +106,8 @@ class RoutingDecision:
         policy: the policy that chose it.
         matched_blocks: leading prompt blocks the chosen engine holds (its expected hit);
             also counted under ``least-load`` and ``round-robin``.
-        loads: every engine's load (running + waiting) when it was chosen; -1 for a failed one.
+        loads: every engine's load (``EngineView.load``: its unfinished requests) when it was
+            chosen; -1 for a failed one.
         reason: ``prefix``, ``load`` (the prefix holder was too busy or held too little of
             the prompt, or none held any),
             ``least-load`` or ``round-robin``.
