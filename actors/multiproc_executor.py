@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 import structlog
 
@@ -52,6 +53,16 @@ class WorkerHandle:
     rank: int
     process: mp.process.BaseProcess
     conn: Connection
+
+
+def _exited(pid: int | None) -> bool:
+    """Whether the process has ended (a zombie not yet reaped counts): its ``/proc`` state,
+    which a peer reads the same way; ``is_alive()`` and the sentinel were seen to lag it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def worker_specs(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
@@ -157,9 +168,20 @@ class MultiprocExecutor(Actor):
                     self._fail(f"worker rank {w.rank} (pid {w.process.pid}) exited with code "
                                f"{w.process.exitcode}")
                 if kind == "error":
-                    self._fail(payload)
+                    self._fail(self._root_cause(w) or payload)
                 results[w.rank] = payload
         return results
+
+    def _root_cause(self, failed: WorkerHandle) -> str | None:
+        """A peer that has exited, when ``failed`` reports an error: that exit is why it failed
+        (a collective or shared-memory all-reduce that lost its peer), so the requests' error
+        names it."""
+        for w in self.workers:
+            if w is not failed and _exited(w.process.pid):
+                w.process.join(timeout=1)
+                return (f"worker rank {w.rank} (pid {w.process.pid}) exited with code "
+                        f"{w.process.exitcode}")
+        return None
 
     def _fail(self, reason: str) -> None:
         self.failure = reason
