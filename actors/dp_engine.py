@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import structlog
@@ -34,7 +32,7 @@ from pagedserve.actors.beam_search import BeamSearchParams
 from pagedserve.actors.dp_router import DPRouter, NoEngineLeft, RoutingDecision
 from pagedserve.actors.dp_stats import DataParallelStats, EngineRouting, total_stats
 from pagedserve.actors.engine import EngineConfig
-from pagedserve.actors.request_stream import GenerationDelta, RequestStream
+from pagedserve.actors.request_stream import GenerateMixin, RequestStream
 from pagedserve.actors.stats import EngineStats, StatLogger
 from pagedserve.actors.structured_output import CompiledConstraint
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
@@ -42,7 +40,7 @@ from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsPara
 log = structlog.get_logger(__name__)
 
 
-class DataParallelEngine:
+class DataParallelEngine(GenerateMixin):
     """Args:
     engines: the group, index = data-parallel rank; all serve the same model and settings.
     policy: the routing policy (``DPRouter``).
@@ -164,18 +162,6 @@ class DataParallelEngine:
         k = self._route(request_id, prompt_token_ids, 1, cache_salt)
         return await self.engines[k].beam_search(request_id, prompt_token_ids, params,
                                                  stop_token_ids, priority, cache_salt)
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str | None = None,
-        grammar: CompiledConstraint | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        """``add_request`` and iterate, in one call (for tools and tests)."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, priority,
-                                        cache_salt, grammar)
-        async with aclosing(stream):
-            async for delta in stream:
-                yield delta
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledConstraint:
         """Compiled once, on a live engine: a compile serves any engine of the group (same

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,11 @@ from pagedserve.actors.messages import (
     ResetPrefixCache,
 )
 from pagedserve.actors.request import Request, RequestOutput
-from pagedserve.actors.request_stream import GenerationDelta, RequestMetrics, RequestStream
+from pagedserve.actors.request_stream import (
+    GenerateMixin,
+    RequestMetrics,
+    RequestStream,
+)
 from pagedserve.actors.scheduler import Scheduler
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output import (
@@ -63,7 +65,7 @@ class EngineConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
-class AsyncEngine:
+class AsyncEngine(GenerateMixin):
     """Owns the scheduler and executor actors. Create with ``await AsyncEngine.start(cfg)``."""
 
     def __init__(
@@ -229,18 +231,6 @@ class AsyncEngine:
             self.scheduler.send(AbortRequest(request_id))
             raise
         return BeamSearchStream(self.scheduler, request, RequestMetrics(self.stat_loggers))
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str | None = None,
-        grammar: CompiledConstraint | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        """``add_request`` and iterate, in one call (for tools and tests)."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, priority,
-                                        cache_salt, grammar)
-        async with aclosing(stream):
-            async for delta in stream:
-                yield delta
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledConstraint:
         """Compile (or find cached) a guided-decoding constraint before starting a request;

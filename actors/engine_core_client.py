@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from pagedserve.actors.engine import EngineConfig
 from pagedserve.actors.engine_core_hub import EngineCoreHub
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv_events import KVEventSink
-from pagedserve.actors.request_stream import GenerationDelta, StreamState
+from pagedserve.actors.request_stream import GenerateMixin, GenerationDelta, StreamState
 from pagedserve.actors.stats import EngineStats, StatLogger
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -116,7 +115,7 @@ class RemoteBeamSearchStream(RemoteRequestStream):
         return item.beam
 
 
-class EngineCoreClient:
+class EngineCoreClient(GenerateMixin):
     """One engine-core process as an engine. Built by ``actors/dp_launch.py`` once the core
     has registered; ``info``, ``effective_config()`` are what it registered with."""
 
@@ -282,17 +281,6 @@ class EngineCoreClient:
                                                   stop_token_ids, priority, cache_salt),
                           len(prompt_token_ids))
         return stream
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str | None = None,
-        grammar: RemoteGrammar | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        stream = await self.add_request(request_id, prompt_token_ids, params, priority,
-                                        cache_salt, grammar)
-        async with aclosing(stream):
-            async for delta in stream:
-                yield delta
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> RemoteGrammar:
         """Raises ``GrammarError`` as ``AsyncEngine.compile_grammar`` does."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,3 +210,19 @@ def close_all(streams: Iterable[RequestStream]) -> None:
     """Close every stream (aborting the requests still live); safe to call more than once."""
     for stream in streams:
         stream.close()
+
+
+class GenerateMixin:
+    """``generate``: ``add_request`` and iterate its stream, in one call (for tools and tests),
+    for every engine with ``AsyncEngine``'s ``add_request`` (the in-process engine, the
+    data-parallel group, one engine-core client). Closing the iteration closes the stream."""
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: Any,
+        priority: int = 0, cache_salt: str | None = None, grammar: Any = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        stream = await self.add_request(request_id, prompt_token_ids, params,
+                                        priority, cache_salt, grammar)
+        async with aclosing(stream):
+            async for delta in stream:
+                yield delta
