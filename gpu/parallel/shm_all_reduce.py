@@ -106,46 +106,47 @@ class ShmAllReduce:
         Raises:
             PeerGone: a peer exited while this rank waited for it.
         """
-        nbytes = x.numel() * x.element_size()
-        if nbytes > MAX_BYTES or not x.is_contiguous():
+        slots = self._exchange(x)
+        if slots is None:
             return False
-        self.epoch += 1
-        base = (self.epoch & 1) * self.world * MAX_BYTES
         flat = x.view(-1)
-        self._slot(base, self.index, nbytes, x.dtype).copy_(flat)
-        self._flags[self.index * _LINE // 8] = self.epoch  # after the bytes (x86 TSO)
-        for peer in range(self.world):
-            if peer != self.index:
-                self._wait(peer)
-        torch.add(self._slot(base, 0, nbytes, x.dtype), self._slot(base, 1, nbytes, x.dtype),
-                  out=flat)
-        for peer in range(2, self.world):
-            flat.add_(self._slot(base, peer, nbytes, x.dtype))
+        torch.add(slots[0], slots[1], out=flat)
+        for slot in slots[2:]:
+            flat.add_(slot)
         return True
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None | bool:
         """Every rank's ``x`` (same shape and dtype on all), in rank order, on the group's
         first rank (views of the region: valid until the group's next-but-one call, so copy
         them out at once); ``None`` on the others; ``False`` (nothing done) when ``x`` is
-        larger than a slot or not contiguous, as ``all_reduce``. Every rank waits for every
-        flag, as in ``all_reduce``, so a set is never rewritten before it was read.
+        larger than a slot or not contiguous, as ``all_reduce``.
 
         Raises:
             PeerGone: a peer exited while this rank waited for it.
         """
+        slots = self._exchange(x)
+        if slots is None:
+            return False
+        if self.index != 0:
+            return None
+        return [slot.view(x.shape) for slot in slots]
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Publish ``x`` in this rank's slot of the next buffer set, raise the flag, wait for
+        every peer's: every rank's ``x``, flat, in rank order (views of the set). Every rank
+        waits for every flag, for a gather too, so a set is never rewritten before all have
+        read it. ``None`` (nothing done) for a tensor too large for a slot or not contiguous."""
         nbytes = x.numel() * x.element_size()
         if nbytes > MAX_BYTES or not x.is_contiguous():
-            return False
+            return None
         self.epoch += 1
         base = (self.epoch & 1) * self.world * MAX_BYTES
         self._slot(base, self.index, nbytes, x.dtype).copy_(x.view(-1))
-        self._flags[self.index * _LINE // 8] = self.epoch
+        self._flags[self.index * _LINE // 8] = self.epoch  # after the bytes (x86 TSO)
         for peer in range(self.world):
             if peer != self.index:
                 self._wait(peer)
-        if self.index != 0:
-            return None
-        return [self._slot(base, r, nbytes, x.dtype).view(x.shape) for r in range(self.world)]
+        return [self._slot(base, r, nbytes, x.dtype) for r in range(self.world)]
 
     def _slot(self, base: int, rank: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         start = base + rank * MAX_BYTES
