@@ -8,7 +8,12 @@ import asyncio
 
 import pytest
 
-from pagedserve.actors.dp_router import PREFIX_LOAD_THRESHOLD, DPRouter, NoEngineLeft
+from pagedserve.actors.dp_router import (
+    PREFIX_LOAD_THRESHOLD,
+    PROMPT_TOKENS_PER_REQUEST,
+    DPRouter,
+    NoEngineLeft,
+)
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.kv_event_publisher import KVEventPublisher
 from pagedserve.actors.kv_events import (
@@ -218,3 +223,23 @@ def test_the_fronts_count_replaces_the_lagging_pushed_one():
     assert router.route([1] * 40).engine == 1
     router.count_from_front(1, 3, 400)
     assert router.route([1] * 40).engine == 0
+
+
+def test_a_burst_splits_its_prompt_tokens_not_only_its_requests():
+    """Four prompts arrive before any finishes: long, short, short, long. Counting requests
+    alone sends both long ones to engine 0 (800 tokens to prefill against 80), and the burst's
+    last first token waits for that prefill. The score weighs the tokens still to prefill."""
+    long, short = 400, 40
+    for policy in ("least-load", "prefix"):
+        router = DPRouter(2, policy, BS)
+        for k in range(2):
+            router.count_from_front(k, 0, 0)  # the front keeps the count: idle engines
+        chosen = [router.route([k] * n).engine for k, n in enumerate((long, short, short, long))]
+        tokens = [v.unanswered_tokens for v in router.engines]
+        assert chosen == [0, 1, 1, 1] and tokens == [400, 480], policy
+        assert [v.load for v in router.engines] == [1, 3]
+        assert router.engines[1].score == 3 + 480 / PROMPT_TOKENS_PER_REQUEST
+    # Without the front's count there is no token figure: the pushed counts alone decide.
+    router = DPRouter(2, "least-load", BS)
+    assert [router.route([k] * n).engine for k, n in enumerate((long, short, short, long))] == \
+        [0, 1, 0, 1]
