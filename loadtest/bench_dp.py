@@ -27,8 +27,11 @@ each run's output tok/s, TTFT p50/p99, ITL p50, errors, then the medians and the
 and, with ``--json``, writes the loadgen summaries.
 
 Usage: ``.venv/bin/python loadtest/bench_dp.py [--part both|split|dp] [--model PATH]
-[--threads 2] [--output-tokens 64] [--rounds 2] [--streams 8,32] [--requests-per-stream 3]
-[--max-tokens 64] [--json out.json]``
+[--threads 2] [--output-tokens 64] [--rounds 2] [--streams 8,32] [--requests-per-stream N]
+[--min-tokens 32] [--max-tokens 256] [--max-words 400] [--json out.json]``. The loadgen
+workload defaults to loadgen's own lengths and ``side_by_side.sh``'s request counts, the
+workload behind the llama.cpp figures; the earlier, shorter one is ``--requests-per-stream 3
+--max-tokens 64 --min-tokens 32 --max-words 200``.
 """
 
 from __future__ import annotations
@@ -126,15 +129,23 @@ def run_one(layout: dict, streams: int, args: argparse.Namespace) -> dict:
     try:
         out = subprocess.run(
             [sys.executable, str(args.loadgen), "--base-url", f"{url}/v1", "--model",
-             args.served_name, "--num-requests", str(streams * args.requests_per_stream),
+             args.served_name, "--num-requests", str(num_requests(streams, args)),
              "--concurrency", str(streams), "--seed", "0", "--min-words", "20",
-             "--max-words", str(args.max_words), "--min-tokens", str(args.max_tokens // 2),
+             "--max-words", str(args.max_words), "--min-tokens", str(args.min_tokens),
              "--max-tokens", str(args.max_tokens), "--label", f"{layout['name']} x{streams}"],
             capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def num_requests(streams: int, args: argparse.Namespace) -> int:
+    """side_by_side.sh's scenarios b (64 requests at 8 streams) and c (128 at 32), else
+    ``--requests-per-stream`` per stream."""
+    if args.requests_per_stream is None:
+        return {8: 64, 32: 128}.get(streams, 4 * streams)
+    return streams * args.requests_per_stream
 
 
 def dp_part(args: argparse.Namespace) -> None:
@@ -186,9 +197,11 @@ def main() -> None:
     p.add_argument("--served-name", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--streams", default="8,32", help="dp: loadgen concurrencies")
     p.add_argument("--routing", default="prefix", help="dp: dp=2's --data-parallel-routing")
-    p.add_argument("--requests-per-stream", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-words", type=int, default=200)
+    p.add_argument("--requests-per-stream", type=int, default=None,
+                   help="default: side_by_side.sh's 64 requests at 8 streams, 128 at 32")
+    p.add_argument("--min-tokens", type=int, default=32, help="loadgen's default")
+    p.add_argument("--max-tokens", type=int, default=256, help="loadgen's default")
+    p.add_argument("--max-words", type=int, default=400, help="loadgen's default")
     p.add_argument("--loadgen", type=Path, default=LOADGEN)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
