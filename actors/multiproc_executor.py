@@ -25,7 +25,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
 import structlog
 
@@ -36,6 +35,7 @@ from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.cpu_threads import cpu_threads
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.parallel.comm import free_port
+from pagedserve.gpu.parallel.shm_all_reduce import process_exited
 from pagedserve.gpu.worker import WorkerSpec, worker_main
 
 log = structlog.get_logger(__name__)
@@ -53,16 +53,6 @@ class WorkerHandle:
     rank: int
     process: mp.process.BaseProcess
     conn: Connection
-
-
-def _exited(pid: int | None) -> bool:
-    """Whether the process has ended (a zombie not yet reaped counts): its ``/proc`` state,
-    which a peer reads the same way; ``is_alive()`` and the sentinel were seen to lag it."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
 
 
 def worker_specs(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
@@ -177,7 +167,7 @@ class MultiprocExecutor(Actor):
         (a collective or shared-memory all-reduce that lost its peer), so the requests' error
         names it."""
         for w in self.workers:
-            if w is not failed and _exited(w.process.pid):
+            if w is not failed and process_exited(w.process.pid):
                 w.process.join(timeout=1)
                 return (f"worker rank {w.rank} (pid {w.process.pid}) exited with code "
                         f"{w.process.exitcode}")

@@ -61,9 +61,8 @@ class ShmAllReduce:
         self.index = index
         self.world = world
         self.epoch = 0
-        size = world * _LINE + 2 * world * MAX_BYTES
         with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), size)
+            self._map = mmap.mmap(f.fileno(), _region_bytes(world))
         self._flags = memoryview(self._map)[: world * _LINE].cast("q")
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=world * _LINE,
                                       count=2 * world * MAX_BYTES)
@@ -164,20 +163,26 @@ class ShmAllReduce:
 
     def _check_alive(self, peer: int) -> None:
         pid = int(self._flags[peer * _LINE // 8 + 1])
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            state = "gone"
-        if state in ("Z", "X", "gone"):
+        if process_exited(pid):
             raise PeerGone(f"tensor-parallel rank {peer} (pid {pid}) exited during an "
                            "all-reduce")
+
+
+def process_exited(pid: int | None) -> bool:
+    """Whether the process has ended, a zombie not yet reaped included: its ``/proc`` state.
+    Its parent's ``is_alive()`` and sentinel were seen to lag it; every rank reads it alike."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def _create_region(world: int) -> str | None:
     """A fresh region's path, its pages reserved (a full ``/dev/shm`` would otherwise show up
     as SIGBUS on a later write); ``None`` when there is no room."""
     path = f"/dev/shm/pagedserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    size = world * _LINE + 2 * world * MAX_BYTES
+    size = _region_bytes(world)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -188,6 +193,11 @@ def _create_region(world: int) -> str | None:
     finally:
         os.close(fd)
     return path
+
+
+def _region_bytes(world: int) -> int:
+    """The header lines, then two buffer sets of one slot per rank."""
+    return world * _LINE + 2 * world * MAX_BYTES
 
 
 def _boot_id() -> str:
