@@ -231,7 +231,7 @@ class DPRouter:
         chosen.num_waiting += 1  # until the engine's next EngineLoad says better
         if chosen.num_unfinished is not None:  # until the front's next count
             chosen.num_unfinished += 1
-        chosen.unanswered_tokens += len(prompt_token_ids)
+            chosen.unanswered_tokens += len(prompt_token_ids)
         chosen.num_routed += 1
         return decision
 
