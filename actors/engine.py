@@ -121,6 +121,7 @@ class AsyncEngine(GenerateMixin):
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
+        await structured_output.wait_ready()
         stat_loggers: list[StatLogger] = []
         connector = make_scheduler_connector(config.cache.kv_transfer_config, info.block_size)
         scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers,

@@ -108,6 +108,26 @@ def test_json_ends_at_the_closing_brace(manager, tokenizer):
     assert not matcher.accept_string(" ")
 
 
+async def test_the_engine_is_ready_only_after_the_tokenizer_set_up(tiny_model_dir):
+    """The set-up runs before the engine says ready, not beside its first forward passes."""
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir))
+    try:
+        assert engine.structured_output._compiler.done()
+        assert engine.structured_output._compiler.exception() is None
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_failed_tokenizer_set_up_does_not_stop_the_start(tokenizer):
+    """Only guided requests need the set-up: ``wait_ready`` logs its error and returns."""
+    m = StructuredOutputManager(tokenizer, -1, [2])  # xgrammar refuses a vocabulary this small
+    try:
+        await m.wait_ready()
+        assert "vocab_size (-1)" in str(m._compiler.exception())
+    finally:
+        m.shutdown()
+
+
 async def test_waiting_for_grammar_then_runs(tiny_model_dir):
     """A caller that skips the handler's compile: the scheduler parks the request, not itself.
     The compile threads are held busy until the plain request is done, so the grammar is still
