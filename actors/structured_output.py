@@ -183,7 +183,7 @@ class StructuredOutputManager:
     async def wait_ready(self) -> None:
         """Wait for the one-time tokenizer set-up (xgrammar's ``TokenizerInfo``, ~0.2-0.3 s of
         mostly Python for a 49k vocabulary). The engine awaits it before it says ready: run
-        beside the first requests, it held the GIL from the forward pass, and a first 300-token
+        beside the first requests, it shared the GIL with the forward pass, and a first 300-token
         prefill on one thread took 304-475 ms against 218-255 ms once it was done. A set-up that
         failed is logged, not raised: only guided requests need it, and they get its error."""
         try:

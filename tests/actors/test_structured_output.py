@@ -118,7 +118,7 @@ async def test_the_engine_is_ready_only_after_the_tokenizer_set_up(tiny_model_di
         await engine.shutdown()
 
 
-async def test_a_failed_tokenizer_set_up_does_not_stop_the_start(tokenizer):
+async def test_a_failed_tokenizer_set_up_is_logged_not_raised(tokenizer):
     """Only guided requests need the set-up: ``wait_ready`` logs its error and returns."""
     m = StructuredOutputManager(tokenizer, -1, [2])  # xgrammar refuses a vocabulary this small
     try:
