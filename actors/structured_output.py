@@ -248,7 +248,8 @@ class StructuredOutputManager:
         Raises:
             GrammarError: invalid constraint, or compiling took longer than the timeout.
         """
-        # The one-time tokenizer set-up is the server's start-up, not this request's compile.
+        # The one-time tokenizer set-up is start-up, not this request's compile: done already
+        # where the engine awaited ``wait_ready``; a manager used alone waits for it here.
         await asyncio.wrap_future(self._compiler)
         compiling = self.submit(spec)
         fut = asyncio.wrap_future(compiling)

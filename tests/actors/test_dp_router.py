@@ -225,6 +225,14 @@ def test_the_fronts_count_replaces_the_lagging_pushed_one():
     assert router.route([1] * 40).engine == 0
 
 
+def _front_counted_router(policy: str) -> DPRouter:
+    """Two idle engines whose load the front counts (so the score has its token figure)."""
+    router = DPRouter(2, policy, BS)
+    for k in range(2):
+        router.count_from_front(k, 0, 0)
+    return router
+
+
 # The prompt lengths of loadgen's opening burst at 32 streams (seed 0, SmolLM2's chat template),
 # in the order its requests are numbered.
 LOADGEN_BURST = [329, 316, 114, 116, 123, 115, 114, 416, 85, 282, 125, 264, 126, 450, 284, 348,
@@ -236,9 +244,7 @@ def test_loadgen_s_burst_splits_its_prefill_within_3_percent_of_even():
     tokens its count still outweighed its tokens and the heavier engine got 4.7 % over half
     (3,898 / 3,546); the run's TTFT p99 is that engine's last first token."""
     for policy in ("least-load", "prefix"):
-        router = DPRouter(2, policy, BS)
-        for k in range(2):
-            router.count_from_front(k, 0, 0)
+        router = _front_counted_router(policy)
         for k, n in enumerate(LOADGEN_BURST):
             router.route([k + 1] * n)
         tokens = [v.unanswered_tokens for v in router.engines]
@@ -252,9 +258,7 @@ def test_a_burst_splits_its_prompt_tokens_not_only_its_requests():
     last first token waits for that prefill. The score weighs the tokens still to prefill."""
     long, short = 400, 40
     for policy in ("least-load", "prefix"):
-        router = DPRouter(2, policy, BS)
-        for k in range(2):
-            router.count_from_front(k, 0, 0)  # the front keeps the count: idle engines
+        router = _front_counted_router(policy)
         chosen = [router.route([k] * n).engine for k, n in enumerate((long, short, short, long))]
         tokens = [v.unanswered_tokens for v in router.engines]
         assert chosen == [0, 1, 1, 1] and tokens == [400, 480], policy
