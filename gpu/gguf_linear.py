@@ -75,7 +75,7 @@ class GGUFLinear(nn.Module):
             only where a band runs dense (a float32 model's exact mode never does: one copy of
             the weights, the blocks; 0.43 GB of SmolLM2-135M's float32 linears freed).
         qweight: ``[out, in / 32 * block_bytes]`` uint8, rows in transformers' order.
-        qtype: GGML type id (``gguf_ops.GGUF_BLOCK_BYTES``).
+        qtype: GGML type id (``gguf_ops.GGUF_TYPES``).
         plan: the bands; None = ``linear_bands.exact_plan`` for the weight's dtype (today's).
 
     Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype.
@@ -168,7 +168,7 @@ def read_blocks(gguf_file: Path, config: PretrainedConfig, layout: RankLayout | 
     for target, parts in groups.items():
         qtypes = {int(t.tensor_type) for t in parts if t is not None}
         if (None in parts or len(qtypes) != 1
-                or qtypes & gguf_ops.GGUF_BLOCK_BYTES.keys() != qtypes):
+                or qtypes & gguf_ops.GGUF_TYPES.keys() != qtypes):
             kept.append(target)
             continue
         qtype = qtypes.pop()

@@ -12,19 +12,31 @@ import torch
 from pagedserve.kernels import cpu_isa, cpu_ops
 from pagedserve.kernels.cpu_ops import _SUFFIX, _kernel, error, load
 
-# GGML type id -> bytes per block of 32 weights (ggml-common.h): the formats gguf_linear reads.
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
-GGUF_BLOCK_SIZE = 32
+# GGML type id -> (name, weights per block, bytes per block), as ggml-common.h lays them out:
+# the formats our kernels multiply in place. Legacy types have 32-weight blocks, K-quants
+# 256-weight super-blocks.
+GGUF_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+}
+GGUF_BLOCK_BYTES = {t: bb for t, (_, _, bb) in GGUF_TYPES.items()}  # bytes per block
+GGUF_BLOCK_WEIGHTS = {t: bw for t, (_, bw, _) in GGUF_TYPES.items()}  # weights per block
+GGUF_BLOCK_SIZE = 32  # the smallest block: tensor-parallel splits are multiples of it
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights of GGML type ``qtype``."""
+    return in_features // GGUF_BLOCK_WEIGHTS[qtype] * GGUF_BLOCK_BYTES[qtype]
 
 
 def _check_gguf(qweight: torch.Tensor, qtype: int, in_features: int) -> None:
-    if qtype not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"GGML type {qtype} is not one of Q4_0, Q4_1, Q8_0 (2, 3, 8)")
-    row_bytes = in_features // GGUF_BLOCK_SIZE * GGUF_BLOCK_BYTES[qtype]
-    if (in_features % GGUF_BLOCK_SIZE or qweight.dtype != torch.uint8 or qweight.dim() != 2
-            or qweight.shape[1] != row_bytes or not qweight.is_contiguous()):
+    if qtype not in GGUF_TYPES:
+        names = ", ".join(f"{n} ({t})" for t, (n, _, _) in GGUF_TYPES.items())
+        raise ValueError(f"GGML type {qtype} has no kernel here; these do: {names}")
+    want = row_bytes(qtype, in_features)
+    if (in_features % GGUF_BLOCK_WEIGHTS[qtype] or qweight.dtype != torch.uint8
+            or qweight.dim() != 2 or qweight.shape[1] != want or not qweight.is_contiguous()):
         raise ValueError(
-            f"qweight must be contiguous uint8 [out, {row_bytes}] for {in_features} inputs "
+            f"qweight must be contiguous uint8 [out, {want}] for {in_features} inputs "
             f"of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}"
         )
 
