@@ -275,13 +275,14 @@ class AsyncEngine(GenerateMixin):
     def effective_config(self) -> dict[str, Any]:
         """The settings in force: the flags as given, with what loading resolved (the model
         file, ``auto`` dtype and quantization, default ``max_model_len``, the KV pool's blocks
-        and bytes, on the CPU the kernels' ISA tier ``cpu_isa``) filled in."""
+        and bytes, on the CPU what the kernels run, ``cpu_isa``: their tier with ``_vnni`` where
+        the int8 kernel uses VNNI, ``cpu_ops.isa_level()``) filled in."""
         config = asdict(self.config)
         config["model"].update(model=self.info.source, dtype=self.info.dtype,
                                device=self.info.device, max_model_len=self.info.max_model_len,
                                quantization=self.info.quantization,
                                cpu_linear_paths=self.info.cpu_linear_paths,
-                               cpu_isa=cpu_ops.isa() if self.info.device == "cpu" else None)
+                               cpu_isa=cpu_ops.isa_level() if self.info.device == "cpu" else None)
         config["cache"].update(num_blocks=self.info.num_blocks,
                                kv_cache_memory_bytes=self.info.kv_cache_bytes)
         return config

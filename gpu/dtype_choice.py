@@ -21,9 +21,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16), so bfloat16 beats
     float32 there; elsewhere torch emulates it and float32 is faster. ``PAGEDSERVE_CPU_ISA``
-    below ``avx512`` answers as a CPU without those units would (the tier being measured)."""
+    below ``avx512`` (``avx2_vnni`` too) answers as a CPU without those units would (the tier
+    being measured)."""
     try:
-        if cpu_isa.requested_cap() in ("generic", "avx2"):
+        if cpu_isa.cap_tier(cpu_isa.requested_cap()) in ("generic", "avx2"):
             return False
     except ValueError:
         pass  # refused with its message when the kernels load

@@ -112,12 +112,14 @@ class GGUFLinear(nn.Module):
 
 
 def linear_paths(model: nn.Module) -> list[dict] | None:
-    """The bands the model's GGUF layers run (``/admin/stats``), None when none are kept."""
+    """The bands the model's GGUF layers run (``/admin/stats``), None when none are kept.
+    ``tier``: the kernel tier the bands were chosen for; ``isa``: what runs
+    (``cpu_ops.isa_level()``, e.g. ``avx512_vnni``: the int8 path's VNNI loop)."""
     layer = next((m for m in model.modules() if isinstance(m, GGUFLinear)), None)
     if layer is None:
         return None
-    return [{"mode": layer.plan.mode, "tier": layer.plan.tier, **band}
-            for band in layer.plan.describe()]
+    return [{"mode": layer.plan.mode, "tier": layer.plan.tier, "isa": cpu_ops.isa_level(),
+             **band} for band in layer.plan.describe()]
 
 
 def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -249,7 +251,7 @@ def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig,
         swapped += 1
     if plan is not None:
         log.info("gguf_linear_paths", cpu_linear_mode=plan.mode, tier=plan.tier,
-                 bands=plan.describe())
+                 isa=cpu_ops.isa_level(), bands=plan.describe())
     if kept:
         log.info("gguf_linears_dequantized", modules=len(kept), first=kept[0],
                  reason="type not Q4_0/Q4_1/Q8_0 or mixed within a fused module")

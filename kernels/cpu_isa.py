@@ -1,21 +1,33 @@
-"""Which instruction-set tier our CPU kernels run at, and the compiler flags of each tier.
+"""Which instruction-set tier our CPU kernels run at, whether their int8 kernel may use VNNI,
+and the compiler flags of each tier.
 
 No torch import here: ``cap_torch_env()`` must run before torch is imported (ATen, oneDNN and
 MKL read their ISA caps once, when they first dispatch), so benchmark scripts call it first.
 
-Tiers, lowest first (``ISAS``):
+Library tiers, lowest first (``ISAS``), one build each:
 
 - ``generic``: the portable loops, no ``-m`` flags (any CPU, non-x86 included);
 - ``avx2``: AVX2 + FMA + F16C, 8 float32 lanes (Intel Haswell and later, AMD Zen 1-3, most
   cloud instances);
 - ``avx512``: AVX-512 F/BW/DQ/VL, 16 lanes (Intel Skylake-SP and later, AMD Zen 4/5). The
-  kernels use no BF16 or AMX instructions and VNNI only in separately built entry points
-  (``VNNI_FLAGS``), so no tier needs them;
-  ``amx`` is accepted as a cap and means no cap below ``avx512``.
+  kernels use no BF16 or AMX instructions, so no tier needs them.
 
-``PAGEDSERVE_CPU_ISA=generic|avx2|avx512|amx`` caps the tier, so any machine can measure the
-lower ones; the tier run is the best one both the CPU (``/proc/cpuinfo``'s flags) and the cap
-allow. An unknown value is an error, not a silent fallback.
+VNNI (``vpdpbusd``, the int8 kernel's fastest loop) lives in separately built entry points of
+the avx2 and avx512 libraries (``VNNI_FLAGS``) and runs only where the CPU reports the tier's
+flag (``VNNI_CPU_FLAG``). CPUs come in five classes, the ``LEVELS``:
+
+- ``avx2``: no VNNI (AMD Zen 1-3, Intel Haswell to Ice Lake client);
+- ``avx2_vnni``: + AVX-VNNI (Intel Alder Lake and later client);
+- ``avx512``: no VNNI (Intel Skylake-SP);
+- ``avx512_vnni``: + AVX512-VNNI (Intel Cascade Lake and later, AMD Zen 4/5);
+- and ``generic``.
+
+``PAGEDSERVE_CPU_ISA`` takes a level (or ``amx``: no cap; AMX-INT8 where present, for later
+kernels), so any machine can measure the lower ones: ``avx2`` and ``avx512`` run no
+``vpdpbusd`` at all, the ``_vnni`` levels run it where the CPU has it. What runs is the best
+both the CPU (``/proc/cpuinfo``'s flags) and the cap allow (``select_level``); a cap above the
+CPU runs the best it has. An unknown value is an error, not a silent fallback. torch is capped
+to the tier only (its float paths use no VNNI).
 """
 
 from __future__ import annotations
@@ -27,7 +39,13 @@ from pathlib import Path
 
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
 ISAS = ("generic", "avx2", "avx512")  # the tiers we build, lowest first
-CAPS = (*ISAS, "amx")
+LEVELS = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_vnni")  # what a CPU runs
+CAPS = (*LEVELS, "amx")
+# Each cap's highest tier, and whether it lets the int8 kernel run vpdpbusd.
+CAP_LIMITS: dict[str, tuple[str, bool]] = {
+    "generic": ("generic", False), "avx2": ("avx2", False), "avx2_vnni": ("avx2", True),
+    "avx512": ("avx512", False), "avx512_vnni": ("avx512", True), "amx": ("avx512", True),
+}
 
 # The CPU flags (as /proc/cpuinfo spells them) each tier's code needs.
 REQUIRED_FLAGS = {
@@ -51,9 +69,9 @@ ISA_FLAGS = {
 }
 
 # The int8-activation GGUF kernel (gguf_q8_gemm.cpp) is also built with these, into entry points
-# of their own that run only where the CPU reports VNNI_CPU_FLAG (vpdpbusd: AVX-VNNI's VEX form
-# on Intel Alder Lake+ / AMD Zen 5, AVX512-VNNI on Intel Cascade Lake+ / AMD Zen 4+); the
-# tiers themselves do not require it.
+# of their own that run only where the CPU reports VNNI_CPU_FLAG and the cap allows it
+# (vpdpbusd: AVX-VNNI's VEX form on Intel Alder Lake+ / AMD Zen 5, AVX512-VNNI on Intel
+# Cascade Lake+ / AMD Zen 4+); the tiers themselves do not require it.
 VNNI_FLAGS = {"avx2": ["-mavxvnni"], "avx512": ["-mavx512vnni"]}
 VNNI_CPU_FLAG = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}
 
@@ -67,6 +85,7 @@ TORCH_ENV = {
                "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "amx": {},
 }
+TORCH_ENV["avx2_vnni"], TORCH_ENV["avx512_vnni"] = TORCH_ENV["avx2"], TORCH_ENV["avx512"]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -104,11 +123,41 @@ def requested_cap() -> str | None:
 
 
 def select(cap: str | None = None, flags: frozenset[str] | None = None) -> str:
-    """The best tier the CPU runs that is at or below ``cap`` (``amx`` or None: no cap)."""
+    """The best library tier the CPU runs that is at or below ``cap``'s (``amx`` or None: no
+    cap)."""
     usable = supported(flags)
-    if cap in ISAS:
-        usable = tuple(isa for isa in usable if ISAS.index(isa) <= ISAS.index(cap))
+    if cap is not None:
+        top = CAP_LIMITS[cap][0]
+        usable = tuple(isa for isa in usable if ISAS.index(isa) <= ISAS.index(top))
     return usable[-1]
+
+
+def vnni_allowed(tier: str, cap: str | None = None,
+                 flags: frozenset[str] | None = None) -> bool:
+    """Whether the int8 kernel of library ``tier`` may run ``vpdpbusd``: the cap allows it
+    (None: no cap) and the CPU reports ``VNNI_CPU_FLAG[tier]``."""
+    if cap is not None and not CAP_LIMITS[cap][1]:
+        return False
+    flag = VNNI_CPU_FLAG.get(tier)
+    return flag is not None and flag in (cpu_flags() if flags is None else flags)
+
+
+def level(tier: str, vnni: bool) -> str:
+    """The ``LEVELS`` name of ``tier`` run with (``avx2_vnni``) or without VNNI."""
+    return f"{tier}_vnni" if vnni else tier
+
+
+def select_level(cap: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """What runs under ``cap`` on a CPU with ``flags``: ``select``'s tier, with ``_vnni`` where
+    ``vnni_allowed`` (e.g. ``avx2`` on Sapphire Rapids, ``avx512_vnni`` uncapped there)."""
+    flags = cpu_flags() if flags is None else flags
+    tier = select(cap, flags)
+    return level(tier, vnni_allowed(tier, cap, flags))
+
+
+def cap_tier(cap: str | None) -> str | None:
+    """The highest library tier ``cap`` allows (None: no cap)."""
+    return None if cap is None else CAP_LIMITS[cap][0]
 
 
 def cap_torch_env() -> dict[str, str]:

@@ -16,7 +16,9 @@
 One library per ISA tier (``kernels/cpu_isa.py``: generic, avx2, avx512), compiled on first use
 with the system's C++ compiler into ``~/.cache/pagedserve/kernels/`` (once per tier), keyed by
 the sources, the flags and the tier, and loaded with ctypes. ``load()`` takes the best tier the
-CPU reports and ``PAGEDSERVE_CPU_ISA`` allows (``isa()`` says which, the start-up log too). No
+CPU reports and ``PAGEDSERVE_CPU_ISA`` allows, and whether the int8 kernel may use VNNI
+(``isa()`` says the tier, ``vnni()`` the latter, ``isa_level()`` both in one name such as
+``avx512_vnni``; the start-up log ``cpu_kernels_loaded`` too). No
 compiler, or a failed build: ``load()`` returns None and callers keep the torch references. All
 ops take float32 or bfloat16 CPU tensors and compute in float32.
 """
@@ -40,6 +42,7 @@ log = structlog.get_logger(__name__)
 _lock = threading.RLock()
 _lib: ctypes.CDLL | None = None
 _isa: str | None = None
+_vnni = False  # the int8 kernel may run its vpdpbusd loop (cap, CPU flag and build allow it)
 _tried = False
 _error: str | None = None
 
@@ -52,17 +55,18 @@ def load() -> ctypes.CDLL | None:
     Raises:
         ValueError: ``PAGEDSERVE_CPU_ISA`` is not one of ``cpu_isa.CAPS``.
     """
-    global _lib, _isa, _tried, _error
+    global _lib, _isa, _vnni, _tried, _error
     with _lock:
         if _tried:
             return _lib
         cap = cpu_isa.requested_cap()
-        _tried, _lib, _isa = True, None, None
+        _tried, _lib, _isa, _vnni = True, None, None, False
         best = cpu_isa.select(cap)
         tiers = cpu_isa.ISAS[: cpu_isa.ISAS.index(best) + 1]
         for isa in reversed(tiers):
             try:
                 _lib, _isa = load_isa(isa), isa
+                _vnni = _has_vnni(_lib, isa, cap)
                 break
             except RuntimeError as e:
                 _error = str(e)
@@ -70,38 +74,61 @@ def load() -> ctypes.CDLL | None:
         if _lib is not None:
             _error = None
             torch_isa = torch.backends.cpu.get_cpu_capability()
-            log.info("cpu_kernels_loaded", isa=_isa, cpu_supports=cpu_isa.supported()[-1],
-                     cap=cap, torch_cpu_capability=torch_isa)
-            if cap in ("generic", "avx2") and torch_isa.lower() not in (cap, "default"):
+            log.info("cpu_kernels_loaded", isa=cpu_isa.level(_isa, _vnni), tier=_isa,
+                     vnni=_vnni, cpu_supports=cpu_isa.select_level(), cap=cap,
+                     torch_cpu_capability=torch_isa)
+            tier_cap = cpu_isa.cap_tier(cap)
+            if tier_cap in ("generic", "avx2") and torch_isa.lower() not in (tier_cap,
+                                                                               "default"):
                 log.warning("cpu_isa_cap_not_applied_to_torch", cap=cap, torch=torch_isa,
                             hint="set PAGEDSERVE_CPU_ISA before torch is imported, or call "
                                  "kernels.cpu_isa.cap_torch_env() first")
         return _lib
 
 
+def _has_vnni(lib: ctypes.CDLL, tier: str, cap: str | None) -> bool:
+    """The library has the VNNI entry points and ``cpu_isa.vnni_allowed`` lets them run."""
+    return hasattr(lib, "gguf_q8_linear_f32_vnni") and cpu_isa.vnni_allowed(tier, cap)
+
+
 def isa() -> str | None:
-    """The tier of the loaded kernels (``generic``, ``avx2`` or ``avx512``), loading them if
-    needed; None when they cannot be built."""
+    """The library tier of the loaded kernels (``generic``, ``avx2`` or ``avx512``), loading
+    them if needed; None when they cannot be built."""
     return _isa if load() is not None else None
 
 
+def vnni() -> bool:
+    """Whether the loaded kernels' int8 product may run its ``vpdpbusd`` loop (False when they
+    cannot be built)."""
+    return _vnni if load() is not None else False
+
+
+def isa_level() -> str | None:
+    """What runs, as one of ``cpu_isa.LEVELS`` (the tier, ``_vnni`` where ``vnni()``): the
+    name ``PAGEDSERVE_CPU_ISA`` takes for it; None when the kernels cannot be built."""
+    return cpu_isa.level(_isa, _vnni) if load() is not None and _isa else None
+
+
 @contextlib.contextmanager
-def use_isa(name: str) -> Iterator[ctypes.CDLL]:
-    """Run the kernels of tier ``name`` inside the block (process-wide; tests and benchmarks).
+def use_isa(name: str, vnni: bool = True) -> Iterator[ctypes.CDLL]:
+    """Run the kernels of tier ``name`` inside the block (process-wide; tests and benchmarks),
+    whatever ``PAGEDSERVE_CPU_ISA`` says; ``vnni``: let the int8 kernel use VNNI where the CPU
+    has it.
 
     Raises:
         ValueError, RuntimeError: as ``load_isa``.
     """
-    global _lib, _isa, _tried
+    global _lib, _isa, _vnni, _tried
     with _lock:
         load()
-        saved = (_lib, _isa, _tried)
-        _lib, _isa, _tried = load_isa(name), name, True
+        saved = (_lib, _isa, _vnni, _tried)
+        lib = load_isa(name)
+        _lib, _isa, _vnni, _tried = lib, name, vnni and _has_vnni(lib, name, None), True
     try:
         yield _lib
     finally:
         with _lock:
-            _lib, _isa, _tried = saved
+            _lib, _isa, _vnni, _tried = saved
 
 
 def error() -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import cpu_isa, cpu_ops
+from pagedserve.kernels import cpu_ops
 from pagedserve.kernels.cpu_ops import _SUFFIX, _kernel, error, load
 
 # GGML type id -> (name, weights per block, bytes per block), as ggml-common.h lays them out:
@@ -84,24 +84,16 @@ def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torc
 
 # The int8 kernel's loops: the portable one, the tier's maddubs/madd loop, its vpdpbusd one.
 Q8_VARIANTS = ("generic", "simd", "vnni")
-_VARIANTS: dict[tuple[int, str | None], tuple[str, ...]] = {}
 
 
 def q8_variants() -> tuple[str, ...]:
-    """The int8 kernel's variants the loaded tier and this CPU run, slowest first (``generic``
-    only in the generic tier; ``vnni`` where the tier was built with it and the CPU reports
-    ``cpu_isa.VNNI_CPU_FLAG``)."""
-    lib, tier = load(), cpu_ops.isa()
-    if lib is None:
+    """The int8 kernel's variants the loaded tier runs here, slowest first (``generic`` only in
+    the generic tier; ``vnni`` where ``cpu_ops.vnni()``: built, reported by the CPU, and not
+    capped off by ``PAGEDSERVE_CPU_ISA=avx2|avx512``)."""
+    if load() is None:
         return ()
-    key = (id(lib), tier)
-    if key not in _VARIANTS:  # cached: reading /proc/cpuinfo per call costs more than a gemv
-        out = ["generic"] if tier == "generic" else ["generic", "simd"]
-        if (hasattr(lib, "gguf_q8_linear_f32_vnni")
-                and cpu_isa.VNNI_CPU_FLAG.get(tier or "") in cpu_isa.cpu_flags()):
-            out.append("vnni")
-        _VARIANTS[key] = tuple(out)
-    return _VARIANTS[key]
+    out = ("generic",) if cpu_ops.isa() == "generic" else ("generic", "simd")
+    return (*out, "vnni") if cpu_ops.vnni() else out
 
 
 Q8_PANEL_ROWS = 16  # rows per repacked panel (csrc/gguf_q8_gemm.cpp)
@@ -112,7 +104,7 @@ def _q8_function(dtype: torch.dtype, variant: str | None):
     """The ctypes entry point for ``dtype`` and ``variant`` on the loaded tier, checked once
     and cached (a decode step calls it ~120 times: the checks cost more than a small product)."""
     lib = load()
-    key = (id(lib), dtype, variant)
+    key = (id(lib), dtype, variant, cpu_ops.vnni())
     fn = _Q8_FUNCTIONS.get(key)
     if fn is not None:
         return fn

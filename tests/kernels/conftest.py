@@ -1,5 +1,7 @@
 """``isa``: run a kernel test once per ISA tier of our CPU kernels (``kernels/cpu_isa.py``);
-tiers this CPU cannot execute are skipped, saying which flags it lacks."""
+tiers this CPU cannot execute are skipped, saying which flags it lacks. Whatever
+``PAGEDSERVE_CPU_ISA`` says, each tier offers every int8 loop the CPU runs (``use_isa``: its
+VNNI one where the CPU has it, and the simd one beside it), so the q8 tests reach them all."""
 
 from __future__ import annotations
 

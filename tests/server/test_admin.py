@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest_asyncio
 
+from pagedserve.kernels import cpu_isa
 from pagedserve.server.serving import ServingConfig
 from tests.conftest import TINY_NAME, hf_tokenizer, serve, stats
 
@@ -155,7 +156,7 @@ async def test_model_and_config(client):
                                 "async_scheduling": False, "speculative": None}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
-    assert cfg["model"]["cpu_isa"] in ("generic", "avx2", "avx512")  # the kernels' tier
+    assert cfg["model"]["cpu_isa"] in cpu_isa.LEVELS  # the kernels' tier, _vnni or not
     # The tiny model is a Hugging Face folder: nothing to keep quantized.
     assert cfg["model"]["quantization"] == s["model"]["quantization"] == "none"
     assert cfg["model"]["model"] == s["model"]["path"]

@@ -1,6 +1,7 @@
 """``PAGEDSERVE_CPU_ISA`` set for the server caps torch's kernels too (the server sets the torch
 variables before its imports load torch), and ``--dtype auto`` then picks what a CPU of that
-tier would get: float32 below avx512, where there is no bfloat16 hardware."""
+tier would get: float32 below avx512, where there is no bfloat16 hardware. ``/admin/stats``
+names what runs: ``avx2`` on a VNNI CPU capped to it runs no VNNI loop in its int8 layers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 import torch
 
 from pagedserve.gpu.dtype_choice import pick_dtype
-from pagedserve.kernels import cpu_isa
+from pagedserve.kernels import cpu_isa, cpu_ops, gguf_ops
+from tests.conftest import serve, stats, stream_chat
 
 CPU = torch.device("cpu")
 
@@ -46,3 +48,19 @@ def test_dtype_auto_is_float32_on_a_capped_tier(monkeypatch):
     has_bf16 = bool(cpu_isa.cpu_flags() & {"amx_bf16", "avx512_bf16"})
     assert pick_dtype("auto", CPU) == (torch.bfloat16 if has_bf16 else torch.float32)
     assert pick_dtype("bfloat16", CPU) == torch.bfloat16  # an explicit dtype is kept
+
+
+async def test_stats_name_what_runs_under_the_cap(tiny_gguf_path, monkeypatch):
+    if "avx2" not in cpu_isa.supported():
+        return  # nothing to cap to
+    for attr, value in (("_tried", False), ("_lib", None), ("_isa", None), ("_vnni", False)):
+        monkeypatch.setattr(cpu_ops, attr, value)  # load() again, under the cap
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    async with serve(tiny_gguf_path, quantization="gguf", max_model_len=64,
+                     cpu_linear_mode="int8") as c:
+        model = (await stats(c))["config"]["model"]
+        _, tokens, _ = await stream_chat(c, "Hi", max_tokens=2, ignore_eos=True)
+    assert model["cpu_isa"] == "avx2"  # not avx2_vnni, even where the CPU has AVX-VNNI
+    assert [(p["tier"], p["isa"], p["path"]) for p in model["cpu_linear_paths"]] == [
+        ("avx2", "avx2", "int8")]
+    assert gguf_ops.q8_variants() == ("generic", "simd") and len(tokens) == 2

@@ -18,11 +18,11 @@ async def _greedy(path, **kw) -> tuple[list[dict], list[int]]:
 
 
 async def test_int8_and_exact_modes_through_the_server(tiny_gguf_path):
-    tier = cpu_ops.isa()
+    tier, isa = cpu_ops.isa(), cpu_ops.isa_level()
     paths, exact = await _greedy(tiny_gguf_path, dtype="float32")  # auto + explicit float32
-    assert paths == [{"mode": "exact", "tier": tier, "rows": "1+", "path": "exact"}]
+    assert paths == [{"mode": "exact", "tier": tier, "isa": isa, "rows": "1+", "path": "exact"}]
     paths, int8 = await _greedy(tiny_gguf_path, dtype="float32", cpu_linear_mode="int8")
-    assert paths == [{"mode": "int8", "tier": tier, "rows": "1+", "path": "int8"}]
+    assert paths == [{"mode": "int8", "tier": tier, "isa": isa, "rows": "1+", "path": "int8"}]
     assert len(int8) == len(exact) == 16
     # Different arithmetic, the same model: the first tokens agree on this prompt.
     assert int8[:2] == exact[:2]
