@@ -45,7 +45,8 @@ def bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtyp
     """Bytes of one block across all layers, K and V, for caches of ``dtype`` (scales of an
     8-bit cache included)."""
     layers, kv_heads, head_size = kv_shape(config)
-    return 2 * block_size * kv_heads * kv_quant.row_elems(head_size, dtype) * dtype.itemsize * layers
+    row_bytes = kv_quant.row_elems(head_size, dtype) * dtype.itemsize
+    return 2 * block_size * kv_heads * row_bytes * layers
 
 
 def needs_profiling(cache: CacheConfig) -> bool:
@@ -100,7 +101,8 @@ def allocate_kv_caches(
     if device.type == "cpu":
         return [(lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)) for _ in range(layers)]
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (torch.zeros(shape, dtype=dtype, device=device),
+         torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(layers)
     ]
 

@@ -22,7 +22,8 @@ SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "decode_attention.cpp",
 # Compiled a second time with the tier's VNNI flags (cpu_isa.VNNI_FLAGS) where it has them:
 # its entry points are named *_vnni and called only when the CPU reports the flag.
 VNNI_SOURCE = CSRC / "gguf_q8_gemm.cpp"
-HEADERS = [CSRC / "convert.h", CSRC / "simd.h", CSRC / "kv_quant.h"]  # part of the build's cache key
+# Part of the build's cache key.
+HEADERS = [CSRC / "convert.h", CSRC / "simd.h", CSRC / "kv_quant.h"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 
