@@ -16,6 +16,9 @@ from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
 # CLI can show it without importing torch).
 EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # 2 GiB: ~2,900 blocks of SmolLM2-135M in float32
+# --kv-cache-dtype's values: vLLM's (``vllm/config/cache.py``), and int8 (cheaper to read on a
+# CPU, which converts fp8 in software); gpu/kv_cache.cache_dtype maps them to torch dtypes.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # vLLM's CPU budget, in GiB (``vllm/envs.py``); here too when --kv-cache-memory-bytes is not given.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
@@ -92,6 +95,13 @@ class CacheConfig:
         "human_int": True,
         "default_text": f"${CPU_KV_CACHE_ENV} GiB, else "
                         f"{DEFAULT_CPU_KV_CACHE_BYTES / 1024**3:g} GiB on the CPU",
+    })
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "K/V cache storage: auto = the model's --dtype; fp8 (= fp8_e4m3), fp8_e5m2 or "
+                "int8 = 8 bits per value plus a float32 scale per token and head (about 1.9x "
+                "the tokens of bfloat16 per byte; greedy output may differ from auto's). int8 "
+                "reads fastest on CPUs; the cpu and torch attention backends only",
+        "choices": KV_CACHE_DTYPES,
     })
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "share of GPU memory the engine may use (CUDA)",

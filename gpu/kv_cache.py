@@ -1,7 +1,9 @@
 """KV cache tensors: size the block pool from a memory budget and allocate per-layer caches.
 
 Bytes per block for a standard transformer: ``2 (K and V) * block_size * num_kv_heads *
-head_size * dtype_bytes * num_layers`` (vLLM's ``vllm/v1/kv_cache_interface.py``).
+head_size * dtype_bytes * num_layers`` (vLLM's ``vllm/v1/kv_cache_interface.py``); with an 8-bit
+``--kv-cache-dtype`` each (token, head) row is ``head_size`` bytes plus its 4-byte scale
+(``kernels/kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -9,8 +11,26 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu.config import CacheConfig, default_cpu_kv_cache_bytes
+from pagedserve.gpu.config import KV_CACHE_DTYPES, CacheConfig, default_cpu_kv_cache_bytes
 from pagedserve.gpu.memory import lazy_zeros
+from pagedserve.kernels import kv_quant
+
+# ``--kv-cache-dtype`` names (vLLM's, and int8) of the 8-bit caches; ``auto`` is the model's.
+_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the K/V cache tensors are stored in for ``--kv-cache-dtype name``.
+
+    Raises:
+        ValueError: ``name`` is not one of ``config.KV_CACHE_DTYPES``.
+    """
+    if name == "auto":
+        return model_dtype
+    if name not in _CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
+    return _CACHE_DTYPES[name]
 
 
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -22,8 +42,11 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 def bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V, for caches of ``dtype`` (scales of an
+    8-bit cache included)."""
     layers, kv_heads, head_size = kv_shape(config)
-    return 2 * block_size * kv_heads * head_size * dtype.itemsize * layers
+    row_bytes = kv_quant.row_elems(head_size, dtype) * dtype.itemsize
+    return 2 * block_size * kv_heads * row_bytes * layers
 
 
 def needs_profiling(cache: CacheConfig) -> bool:
@@ -35,8 +58,9 @@ def num_blocks_for(
     config: PretrainedConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
     model_bytes: int, activation_bytes: int | None = None, extra_bytes_per_block: int = 0,
 ) -> int:
-    """How many blocks the budget holds (each also costing ``extra_bytes_per_block``: a draft
-    model's K/V in the same block layout, ``gpu/draft_model.py``).
+    """How many blocks the budget holds, with caches of ``dtype`` (``cache_dtype``), each block
+    also costing ``extra_bytes_per_block`` (a draft model's K/V in the same block layout,
+    ``gpu/draft_model.py``).
 
     CPU: ``kv_cache_memory_bytes`` (default ``$VLLM_CPU_KVCACHE_SPACE`` GiB, else 2 GiB).
     CUDA: ``gpu_memory_utilization`` of the
@@ -65,18 +89,20 @@ def allocate_kv_caches(
     config: PretrainedConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, ``(key_cache, value_cache)``, each ``[num_blocks, block_size, Hkv, D]``.
+    """Per layer, ``(key_cache, value_cache)``, each ``[num_blocks, block_size, Hkv, D]`` in
+    ``dtype`` (``D + 4`` for an 8-bit dtype: codes and scale, ``kernels/kv_quant.py``).
 
     Zero-filled so padded reads in the torch backend never meet NaN garbage. On the CPU the
     zeros are the kernel's (``memory.lazy_zeros``): a block's pages become resident when it is
     first written, not at start.
     """
     layers, kv_heads, head_size = kv_shape(config)
-    shape = (num_blocks, block_size, kv_heads, head_size)
+    shape = (num_blocks, block_size, kv_heads, kv_quant.row_elems(head_size, dtype))
     if device.type == "cpu":
         return [(lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)) for _ in range(layers)]
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (torch.zeros(shape, dtype=dtype, device=device),
+         torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(layers)
     ]
 

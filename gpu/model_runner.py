@@ -32,6 +32,7 @@ from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
 from pagedserve.gpu.thread_governor import ThreadGovernor
+from pagedserve.kernels import kv_quant
 
 log = structlog.get_logger(__name__)
 
@@ -54,9 +55,22 @@ class ModelInfo:
     quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
     source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
     kv_cache_bytes: int = 0  # the K and V tensors allocated (a draft model's included)
+    kv_cache_dtype: str = ""  # what the K/V blocks are stored in (``--kv-cache-dtype``)
     # Tensor/pipeline parallel: per rank, what it holds and its pid (``RankLayout.describe``).
     parallel_layout: list[dict] | None = None
     cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
+
+
+def check_kv_cache_dtype(name: str, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    """Refuse an 8-bit ``--kv-cache-dtype`` the attention backend cannot read.
+
+    Raises:
+        ValueError: says which backends read it.
+    """
+    if kv_quant.is_quantized(dtype) and not backend.reads_8bit_kv:
+        raise ValueError(f"--kv-cache-dtype {name}: the {backend.name} attention backend cannot "
+                         "read 8-bit KV blocks; use --kv-cache-dtype auto, or the cpu or torch "
+                         "backend (PAGEDSERVE_ATTENTION_BACKEND)")
 
 
 class ModelRunner:
@@ -86,6 +100,7 @@ class ModelRunner:
         # load(): where, and in which dtype.
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.kv_dtype = torch.float32  # the K/V cache tensors' (--kv-cache-dtype)
         # _build_model()
         self.hf_config: PretrainedConfig | None = None
         self.max_model_len = 0
@@ -115,6 +130,7 @@ class ModelRunner:
             raise ValueError("--device cuda, but torch sees no CUDA device here "
                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
         self.dtype = pick_dtype(mc.dtype, self.device)
+        self.kv_dtype = kv_cache.cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.threads = ThreadGovernor.start() if self.device.type == "cpu" else None
         torch.manual_seed(mc.seed)
         resolved = loader.resolve_model(mc.model)
@@ -141,6 +157,7 @@ class ModelRunner:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
         self.attn_backend = get_attention_backend(self.device, self.dtype)
+        check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype, self.attn_backend)
         ops = get_layer_ops(self.attn_backend.name, self.dtype)
         model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len, ops,
                                        self.device, self.dtype, self.parallel)
@@ -185,11 +202,11 @@ class ModelRunner:
         draft_per_block = self.draft.bytes_per_block(self.block_size) if self.draft else 0
         kv_config = self.model.kv_config  # this rank's KV heads and layers
         self.num_blocks = kv_cache.num_blocks_for(
-            kv_config, cc, self.dtype, self.device, model_bytes, activation_bytes,
+            kv_config, cc, self.kv_dtype, self.device, model_bytes, activation_bytes,
             draft_per_block,
         )
         self.kv_caches = kv_cache.allocate_kv_caches(
-            kv_config, self.num_blocks, self.block_size, self.dtype, self.device
+            kv_config, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
         if self.draft is not None:  # the same block ids, its own tensors
             self.draft.allocate(self.num_blocks, self.block_size)
@@ -212,6 +229,7 @@ class ModelRunner:
             source=str(resolved.gguf_file or resolved.path),
             kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
             + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
         )
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:
@@ -239,7 +257,7 @@ class ModelRunner:
         reqs = self._dummy_requests(num_tokens, num_seqs)
         scratch = kv_cache.allocate_kv_caches(
             self.hf_config, max(b for r in reqs for b in r.block_ids) + 1, self.block_size,
-            self.dtype, self.device,
+            self.kv_dtype, self.device,
         )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

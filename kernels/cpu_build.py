@@ -22,7 +22,8 @@ SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "decode_attention.cpp",
 # Compiled a second time with the tier's VNNI flags (cpu_isa.VNNI_FLAGS) where it has them:
 # its entry points are named *_vnni and called only when the CPU reports the flag.
 VNNI_SOURCE = CSRC / "gguf_q8_gemm.cpp"
-HEADERS = [CSRC / "convert.h", CSRC / "simd.h"]  # part of the build's cache key
+# Part of the build's cache key.
+HEADERS = [CSRC / "convert.h", CSRC / "simd.h", CSRC / "kv_quant.h"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 
@@ -73,11 +74,11 @@ def bind(lib: ctypes.CDLL) -> None:
     """Declare the C signatures (ctypes would otherwise pass ints as 32-bit)."""
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32],
+        "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32, i64],  # + kv_kind
         "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
         "silu_and_mul": [ptr] * 2 + [i64] * 2,
         "rotary": [ptr] * 4 + [i64] * 4,
-        "reshape_and_cache": [ptr] * 5 + [i64] * 4,
+        "reshape_and_cache": [ptr] * 5 + [i64] * 6,  # + head_size, kv_kind
         "gguf_linear": [ptr] * 3 + [i64] * 5,
     }
     for name, args in signatures.items():
@@ -86,7 +87,7 @@ def bind(lib: ctypes.CDLL) -> None:
             fn.argtypes, fn.restype = args, None
     for suffix in ("f32", "bf16"):
         fn = getattr(lib, f"paged_prefill_attention_{suffix}")
-        fn.argtypes = [ptr, i64] + [ptr] * 6 + [i64] * 6 + [f32]
+        fn.argtypes = [ptr, i64] + [ptr] * 6 + [i64] * 6 + [f32, i64]  # + kv_kind
         fn.restype = ctypes.c_int
     lib.cpu_ops_isa.argtypes, lib.cpu_ops_isa.restype = [], ctypes.c_char_p
     lib.cpu_ops_has_prefill.argtypes, lib.cpu_ops_has_prefill.restype = [], ctypes.c_int

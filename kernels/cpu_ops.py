@@ -20,7 +20,9 @@ CPU reports and ``PAGEDSERVE_CPU_ISA`` allows, and whether the int8 kernel may u
 (``isa()`` says the tier, ``vnni()`` the latter, ``isa_level()`` both in one name such as
 ``avx512_vnni``; the start-up log ``cpu_kernels_loaded`` too). No
 compiler, or a failed build: ``load()`` returns None and callers keep the torch references. All
-ops take float32 or bfloat16 CPU tensors and compute in float32.
+ops take float32 or bfloat16 CPU tensors and compute in float32; the KV write and the attention
+kernels also take 8-bit caches (``--kv-cache-dtype``: int8 / fp8 rows with a scale each,
+``kernels/kv_quant.py``), quantized as written and dequantized to float32 as read.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections.abc import Iterator
 import structlog
 import torch
 
-from pagedserve.kernels import cpu_isa
+from pagedserve.kernels import cpu_isa, kv_quant
 from pagedserve.kernels.cpu_build import CACHE_ENV as CACHE_ENV  # re-exported
 from pagedserve.kernels.cpu_build import load_isa
 
@@ -148,6 +150,32 @@ def _kernel(name: str, dtype: torch.dtype):
     return getattr(lib, f"{name}_{_SUFFIX[dtype]}")
 
 
+def _check_caches(op: str, x: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor) -> int:
+    """The caches' ``kv_kind`` for the C kernels, after checking they are contiguous, alike,
+    and either in ``x``'s dtype or 8-bit (``kv_quant``) with rows of ``x``'s head size + 4.
+
+    Raises:
+        ValueError: says which of these fails.
+    """
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError(f"{op}: the key/value caches must be contiguous")
+    if key_cache.dtype != value_cache.dtype or key_cache.shape != value_cache.shape:
+        raise ValueError(f"{op}: key and value caches differ ({key_cache.dtype} "
+                         f"{tuple(key_cache.shape)} vs {value_cache.dtype} "
+                         f"{tuple(value_cache.shape)})")
+    if kv_quant.is_quantized(key_cache.dtype):
+        if kv_quant.head_size_of(key_cache) != x.shape[-1]:
+            raise ValueError(f"{op}: 8-bit cache rows of {key_cache.shape[-1]} elements do not "
+                             f"hold head_size {x.shape[-1]} + {kv_quant.SCALE_BYTES} scale bytes")
+        return kv_quant.kind(key_cache)
+    if key_cache.dtype != x.dtype or key_cache.shape[-1] != x.shape[-1]:
+        raise ValueError(f"{op}: caches in {key_cache.dtype} with rows of {key_cache.shape[-1]} "
+                         f"for {x.dtype} heads of {x.shape[-1]}: same dtype and head size, or an "
+                         f"8-bit cache ({', '.join(str(d) for d in kv_quant.DTYPES)})")
+    return 0
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -210,18 +238,26 @@ def reshape_and_cache(
 ) -> None:
     """Write this step's K/V into the paged cache in one call (``reference.reshape_and_cache``'s
     contract: ``[T, num_kv_heads, head_size]`` rows, ``slot_mapping`` ``[T]`` int64, ``-1``
-    skipped). Slots must be inside the cache (the scheduler's block tables guarantee it)."""
+    skipped); into an 8-bit cache each (token, head) row is quantized with its own scale
+    (``kv_quant.quantize``'s codes). Slots must be inside the cache (the scheduler's block
+    tables guarantee it).
+
+    Raises:
+        ValueError: key and value differ in dtype, or the caches do not fit them
+            (``_check_caches``).
+    """
     fn = _kernel("reshape_and_cache", key.dtype)
     num_tokens, kv_heads, head_size = key.shape
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()
-            and key_cache.dtype == value.dtype == key.dtype == value_cache.dtype):
-        raise ValueError("reshape_and_cache: contiguous caches in the key's dtype")
+    if value.dtype != key.dtype:
+        raise ValueError("reshape_and_cache: key and value in different dtypes")
+    kv_kind = _check_caches("reshape_and_cache", key, key_cache, value_cache)
     # Rows may be strided (k and v are views into the fused qkv projection); heads must not be.
     key, value = (x if x.stride(2) == 1 and x.stride(1) == head_size else x.contiguous()
                   for x in (key, value))
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     fn(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-       slot_mapping.data_ptr(), num_tokens, kv_heads * head_size, key.stride(0), value.stride(0))
+       slot_mapping.data_ptr(), num_tokens, kv_heads * head_size, key.stride(0), value.stride(0),
+       head_size, kv_kind)
 
 
 def paged_decode_attention(
@@ -240,7 +276,8 @@ def paged_decode_attention(
     Args:
         query: ``[B, num_heads, head_size]`` float32 or bfloat16, on the CPU.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, contiguous,
-            the query's dtype.
+            the query's dtype; or 8-bit (``int8``, ``float8_e4m3fn``, ``float8_e5m2``) with rows
+            of ``head_size + 4`` (``kernels/kv_quant.py``), dequantized as read.
         block_table: ``[B, max_blocks_per_seq]`` int32; seq_lens: ``[B]`` int32, each >= 1 and
             covered by its row of the block table (not checked: the scheduler guarantees it).
         out: optional contiguous buffer shaped like ``query`` to write into.
@@ -254,7 +291,8 @@ def paged_decode_attention(
 
     Raises:
         RuntimeError: the library could not be built (see ``error()``).
-        ValueError: unsupported dtype, or ``num_heads`` not a multiple of ``num_kv_heads``.
+        ValueError: unsupported dtype, caches that do not fit the query (``_check_caches``), or
+            ``num_heads`` not a multiple of ``num_kv_heads``.
     """
     fn = _kernel("paged_decode_attention", query.dtype)
     num_heads, head_size = query.shape[1:]
@@ -262,9 +300,7 @@ def paged_decode_attention(
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if key_cache.dtype != query.dtype or not (key_cache.is_contiguous()
-                                              and value_cache.is_contiguous()):
-        raise ValueError("key/value caches must be contiguous and in the query's dtype")
+    kv_kind = _check_caches("paged_decode_attention", query, key_cache, value_cache)
     query = query.contiguous()
     block_table = block_table.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -276,7 +312,7 @@ def paged_decode_attention(
         qsl = query_start_loc.data_ptr()
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
        seq_lens.data_ptr(), qsl, out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
-       block_size, block_table.shape[1], scale)
+       block_size, block_table.shape[1], scale, kv_kind)
     return out
 
 
@@ -311,7 +347,8 @@ def paged_prefill_attention(
             of the fused qkv projection are); sequence ``i``'s chunk is rows
             ``query_start_loc[i]:query_start_loc[i+1]``, its last tokens.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``,
-            contiguous, the query's dtype. block_table ``[B, max_blocks]`` int32, seq_lens
+            contiguous, the query's dtype, or 8-bit as ``paged_decode_attention`` takes them.
+            block_table ``[B, max_blocks]`` int32, seq_lens
             ``[B]`` int32, query_start_loc ``[B + 1]`` int32.
 
     Returns:
@@ -329,9 +366,7 @@ def paged_prefill_attention(
     if num_heads % num_kv_heads or head_size not in PREFILL_HEAD_SIZES:
         raise ValueError(f"prefill kernel: head_size {head_size} with {num_heads}/"
                          f"{num_kv_heads} heads is not supported")
-    if key_cache.dtype != query.dtype or not (key_cache.is_contiguous()
-                                              and value_cache.is_contiguous()):
-        raise ValueError("key/value caches must be contiguous and in the query's dtype")
+    kv_kind = _check_caches("paged_prefill_attention", query, key_cache, value_cache)
     if query.stride(2) != 1 or query.stride(1) != head_size:
         query = query.contiguous()
     block_table = block_table.to(torch.int32).contiguous()
@@ -341,6 +376,6 @@ def paged_prefill_attention(
     if fn(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
           block_table.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
           out.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_size, block_size,
-          block_table.shape[1], scale):
+          block_table.shape[1], scale, kv_kind):
         raise ValueError(f"prefill kernel: not in the {_isa} kernels (or head_size unsupported)")
     return out

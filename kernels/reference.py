@@ -7,6 +7,9 @@ Layouts follow vLLM's (``vllm/attention/ops/paged_attn.py``, simplified):
 - A *slot* is ``block_id * block_size + offset``; ``-1`` marks a padded token that is not written.
 - ``block_table``: ``[B, max_blocks_per_seq]`` int32, block ids of each sequence in order
   (entries past a sequence's last block are ignored).
+- 8-bit caches (``torch.int8`` / ``float8_e4m3fn`` / ``float8_e5m2``) hold each (token, kv head)
+  row as codes plus a float32 scale (``kernels/kv_quant.py``): the write quantizes, the reads
+  dequantize and attend in float32.
 
 Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023).
@@ -15,6 +18,8 @@ PagedAttention" (SOSP 2023).
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels import kv_quant
 
 
 def reshape_and_cache(
@@ -27,16 +32,31 @@ def reshape_and_cache(
     """Write new K/V into the paged cache, in place.
 
     Args:
-        key, value: ``[T, num_kv_heads, head_size]``, same dtype as the caches.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        key, value: ``[T, num_kv_heads, head_size]``, same dtype as the caches, or any float
+            dtype for 8-bit caches (quantized here, ``kv_quant.quantize``).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``
+            (``head_size + 4`` for 8-bit caches).
         slot_mapping: ``[T]`` int64 slot per token; ``-1`` entries are skipped.
     """
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, kv_heads, head_size).index_copy_(0, slot_mapping, value)
+    kv_heads, row = key_cache.shape[2], key_cache.shape[3]
+    if kv_quant.is_quantized(key_cache.dtype):
+        # Bytes: index_copy_ has no float8 kernel on the CPU.
+        key = kv_quant.quantize(key, key_cache.dtype).view(torch.uint8)
+        value = kv_quant.quantize(value, value_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    key_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, value)
+
+
+def _readable(cache: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """A gathered cache slice as values to attend over, and the dtype to attend in: itself in
+    the query's dtype, or an 8-bit one dequantized to float32."""
+    if kv_quant.is_quantized(cache.dtype):
+        return kv_quant.dequantize(cache), torch.float32
+    return cache, query.dtype
 
 
 def gather_kv(
@@ -68,20 +88,22 @@ def paged_decode_attention(
     block_size = key_cache.shape[1]
     max_len = int(seq_lens.max())
     max_blocks = -(-max_len // block_size)
-    num_seqs, kv_heads, head_size = query.shape[0], key_cache.shape[2], key_cache.shape[3]
+    num_seqs, kv_heads, row = query.shape[0], key_cache.shape[2], key_cache.shape[3]
     blocks = block_table[:, :max_blocks].reshape(-1)
     # [B, Hkv, L, D]: every sequence padded to the longest, padding masked. index_select copies
     # whole blocks (faster than advanced indexing on the CPU: loadtest/RESULTS.md).
-    shape = (num_seqs, max_blocks * block_size, kv_heads, head_size)
-    k = key_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2)
-    v = value_cache.index_select(0, blocks).view(shape)[:, :max_len].transpose(1, 2)
+    shape = (num_seqs, max_blocks * block_size, kv_heads, row)
+    k, dtype = _readable(key_cache.index_select(0, blocks).view(shape), query)
+    v, _ = _readable(value_cache.index_select(0, blocks).view(shape), query)
+    k, v = k[:, :max_len].transpose(1, 2), v[:, :max_len].transpose(1, 2)
     valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
     # One batched call for all sequences and heads; GQA without repeating K/V. torch's CPU
     # kernel accumulates in float32 for bfloat16 inputs.
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        query.to(dtype).unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=True,
     )  # [B, H, 1, D]
-    return out.squeeze(2)
+    return out.squeeze(2).to(query.dtype)
 
 
 def paged_prefill_attention(
@@ -111,8 +133,8 @@ def paged_prefill_attention(
     for i, seq_len in enumerate(lens):
         q = query[starts[i] : starts[i + 1]]
         q_len = q.shape[0]
-        k = gather_kv(key_cache, block_table[i], seq_len)
-        v = gather_kv(value_cache, block_table[i], seq_len)
+        k, dtype = _readable(gather_kv(key_cache, block_table[i], seq_len), query)
+        v, _ = _readable(gather_kv(value_cache, block_table[i], seq_len), query)
         if q_len == seq_len:  # no cached context: plain causal attention
             mask, causal = None, True
         else:  # query j sits at position seq_len - q_len + j and sees keys up to it
@@ -122,8 +144,8 @@ def paged_prefill_attention(
         # 4-D inputs ([1, H, L, D]): only those reach torch's fused (flash) CPU kernel; 3-D
         # ones fall back to the unfused math path, many times slower (loadtest/RESULTS.md).
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            q.to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )
-        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
+        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1).to(query.dtype)
     return out

@@ -12,7 +12,7 @@ MODEL. Two kinds:
   TLS, another tokenizer, quantized checkpoints): ``serve`` exits with the
   flag and what pagedserve does instead, under ``serve``'s usage line.
 
-A flag's value that makes it harmless (``--cpu-offload-gb 0``, ``--kv-cache-dtype auto``)
+A flag's value that makes it harmless (``--cpu-offload-gb 0``, ``--task generate``)
 is in ``HARMLESS_VALUES``. Names are vLLM's (``vllm/engine/arg_utils.py``,
 ``vllm/entrypoints/openai/cli_args.py``); none is a pagedserve flag (a test holds them apart).
 """
@@ -56,7 +56,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--ssl-keyfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),
     "--ssl-certfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),
     "--root-path": (1, "serve at / behind a proxy that strips the prefix"),
-    "--kv-cache-dtype": (1, "the KV cache is kept in --dtype"),
     "--cpu-offload-gb": (1, "weights stay on --device"),
     "--revision": (1, "pass a local folder or the hub id's default revision"),
     "--allowed-origins": (1, "no CORS headers are sent: serve browsers from the same origin "
@@ -66,7 +65,6 @@ REFUSED: dict[str, tuple[int | str, str]] = {
 }
 
 HARMLESS_VALUES: dict[str, frozenset[str]] = {
-    "--kv-cache-dtype": frozenset({"auto"}),
     "--task": frozenset({"auto", "generate"}), "--runner": frozenset({"auto", "generate"}),
     "--cpu-offload-gb": frozenset({"0"}),
 }

@@ -120,6 +120,7 @@ def engine_config(model_dir: Path, **kw) -> EngineConfig:
             num_gpu_blocks_override=kw.pop("num_blocks", 256),
             block_size=kw.pop("block_size", 16),
             kv_transfer_config=kw.pop("kv_transfer_config", None),
+            kv_cache_dtype=kw.pop("kv_cache_dtype", "auto"),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=kw.pop("max_num_seqs", 64),

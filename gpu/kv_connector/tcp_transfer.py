@@ -255,7 +255,8 @@ def _receive_blocks(sock: socket.socket, kv_caches: KVCaches, local_ids: list[in
             recv_exact(sock, view)
             for i, h in enumerate(hashers):
                 h.update(view[i * step:(i + 1) * step])
-            cache.index_copy_(0, index, staged.to(cache.device))
+            # As bytes: index_copy_ has no float8 kernel (--kv-cache-dtype fp8).
+            cache.view(torch.uint8).index_copy_(0, index, staged.to(cache.device).view(torch.uint8))
     sums = bytearray(8 * n)
     recv_exact(sock, memoryview(sums))
     return [local_ids[i] for i, h in enumerate(hashers) if h.digest() != sums[8 * i:8 * i + 8]]

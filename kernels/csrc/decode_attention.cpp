@@ -3,6 +3,9 @@
 // sequences split across threads and merged (flash-decoding). Ideas after vLLM's CPU backend
 // (csrc/cpu/attention.cpp, paged_attention_v1/v2).
 //
+// The caches are in the query's dtype or 8-bit (kv_quant.h: codes and a scale per row,
+// dequantized to float32 as they are read).
+//
 // Plain C ABI over raw pointers, called through ctypes (kernels/cpu_ops.py). OpenMP threads
 // over sequences; the library resolves to the libgomp torch already loaded, so it shares
 // torch's thread count.
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "kv_quant.h"
 #include "simd.h"
 
 namespace {
@@ -50,7 +54,7 @@ void finish(const float* acc, const float* probs, T* dst, int64_t num_heads, int
   }
 }
 
-// Where the K/V rows of a sequence live: token t of kv head kvh at base + offset(t) + kvh * D.
+// Where the K/V rows of a sequence live: token t's row (every kv head) at element offset(t).
 struct Paged {
   const int32_t* blocks;
   int64_t block_size, token_stride, block_stride;
@@ -61,31 +65,35 @@ struct Paged {
 
 #if PAGEDSERVE_SIMD
 // The loop with V::W-lane registers, for head_size % V::W == 0 (every model we serve): a K/V
-// row is converted once into registers per kv head, not stored and reloaded.
-template <class V, typename T>
-void attend_simd(const float* q, const T* key_cache, const T* value_cache, const Paged& pg,
+// row is converted once into registers per kv head, not stored and reloaded (an 8-bit one is
+// dequantized once per kv head into ``buf``, head_size floats, and serves its whole group).
+template <class V, typename C>
+void attend_simd(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Paged& pg,
                  int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t group,
                  int64_t num_kv_heads, int64_t head_size, float* scores, float* acc,
-                 float* maxes) {
+                 float* maxes, float* buf) {
   const int64_t nv = head_size / V::W, len = t_end - t_begin;
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const T* k = key_cache + pg.offset(t);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const float* qh = q + h * head_size;
-      const T* kh = k + (h / group) * head_size;
-      typename V::F a = V::mul(V::load(qh), V::load(kh));
-      for (int64_t j = 1; j < nv; ++j)
-        a = V::fmadd(V::load(qh + V::W * j), V::load(kh + V::W * j), a);
-      scores[h * len + t - t_begin] = V::reduce_add(a);
+    const int64_t base = pg.offset(t);
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      const auto* kh = kc.row(base, kvh, buf);
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const float* qh = q + h * head_size;
+        typename V::F a = V::mul(V::load(qh), V::load(kh));
+        for (int64_t j = 1; j < nv; ++j)
+          a = V::fmadd(V::load(qh + V::W * j), V::load(kh + V::W * j), a);
+        scores[h * len + t - t_begin] = V::reduce_add(a);
+      }
     }
   }
   softmax_rows(scores, num_heads, len, maxes);
   std::fill(acc, acc + num_heads * head_size, 0.f);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const T* v = value_cache + pg.offset(t);
+    const int64_t base = pg.offset(t);
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      const auto* vh = vc.row(base, kvh, buf);
       for (int64_t j = 0; j < nv; ++j) {
-        const typename V::F vj = V::load(v + kvh * head_size + V::W * j);
+        const typename V::F vj = V::load(vh + V::W * j);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kvh * group + g;
           float* a = acc + h * head_size + V::W * j;
@@ -99,25 +107,26 @@ void attend_simd(const float* q, const T* key_cache, const T* value_cache, const
 
 // Scores, softmax and p.V of one query over tokens t_begin..t_end-1 of its sequence, for all
 // heads: acc[h] = sum_t p[h][t] v_t with p = exp(s - max_h) left in scores (row length
-// t_end - t_begin), unnormalised; the maxima go to ``maxes`` when it is not null.
-template <typename T>
-void attend(const float* q, const T* key_cache, const T* value_cache, const Paged& pg,
+// t_end - t_begin), unnormalised; the maxima go to ``maxes`` when it is not null. ``row``:
+// num_kv_heads * head_size floats of scratch.
+template <typename C>
+void attend(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Paged& pg,
             int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_size, float* row, float* scores, float* acc, float* maxes) {
   const int64_t group = num_heads / num_kv_heads, len = t_end - t_begin;
 #if PAGEDSERVE_SIMD
   if (head_size % Vec::W == 0) {
-    attend_simd<Vec>(q, key_cache, value_cache, pg, t_begin, t_end, num_heads, group,
-                     num_kv_heads, head_size, scores, acc, maxes);
+    attend_simd<Vec>(q, kc, vc, pg, t_begin, t_end, num_heads, group, num_kv_heads, head_size,
+                     scores, acc, maxes, row);
     return;
   }
 #endif
   // Pass 1: scores[h][t] = q_h . k_t (scale folded into q); head h reads kv head h / group.
   for (int64_t t = t_begin; t < t_end; ++t) {
-    widen(key_cache + pg.offset(t), row, pg.token_stride);
+    const float* k = kc.widened(pg.offset(t), num_kv_heads, row);
     for (int64_t h = 0; h < num_heads; ++h) {
       const float* qh = q + h * head_size;
-      const float* kh = row + (h / group) * head_size;
+      const float* kh = k + (h / group) * head_size;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < head_size; ++d) s += qh[d] * kh[d];
@@ -128,10 +137,10 @@ void attend(const float* q, const T* key_cache, const T* value_cache, const Page
   // Pass 2: acc[h] = sum_t p[h][t] * v_t.
   std::fill(acc, acc + num_heads * head_size, 0.f);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    widen(value_cache + pg.offset(t), row, pg.token_stride);
+    const float* v = vc.widened(pg.offset(t), num_kv_heads, row);
     for (int64_t h = 0; h < num_heads; ++h) {
       const float p = scores[h * len + t - t_begin];
-      const float* vh = row + (h / group) * head_size;
+      const float* vh = v + (h / group) * head_size;
       float* ah = acc + h * head_size;
 #pragma omp simd
       for (int64_t d = 0; d < head_size; ++d) ah[d] += p * vh[d];
@@ -179,8 +188,9 @@ struct Parts {
 };
 
 // One part (t_begin..t_end) of a split context into its slot of ``parts``.
-template <typename T>
-void attend_part(const float* q, const T* kc, const T* vc, const Paged& pg, int64_t t_begin,
+template <typename C>
+void attend_part(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Paged& pg,
+                 int64_t t_begin,
                  int64_t t_end, int64_t num_kv_heads, float* row, std::vector<float>& scores,
                  Parts& parts, int64_t task) {
   const int64_t num_heads = parts.num_heads, hd = num_heads * parts.head_size;
@@ -206,12 +216,13 @@ void attend_part(const float* q, const T* kc, const T* vc, const Paged& pg, int6
 // query_start_loc (nullable: one query per sequence): sequence i has queries
 // qsl[i]..qsl[i+1]-1, its last ones (a decode with speculative drafts); query j of q_len sees
 // the first seq_len - (q_len - 1 - j) tokens, i.e. each is a decode of its own.
-template <typename T>
-void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_table,
-            const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int64_t num_seqs,
-            int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-            int64_t block_table_stride, float scale) {
-  const int64_t hd = num_heads * head_size, token_stride = num_kv_heads * head_size;
+template <typename T, typename C>
+void decode(const T* query, const KvCache<C>& key_cache, const KvCache<C>& value_cache,
+            const int32_t* block_table, const int32_t* seq_lens, const int32_t* query_start_loc,
+            T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+            int64_t block_size, int64_t block_table_stride, float scale) {
+  const int64_t hd = num_heads * head_size;
+  const int64_t token_stride = num_kv_heads * key_cache.head_stride();
   // One task per sequence: a token's K for every kv head is one contiguous row, so a block is
   // read front to back (prefetch-friendly) and each row serves all num_heads query heads.
   // Fewer plain decodes than threads: long contexts are split in parts, one task each.
@@ -235,7 +246,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   const bool parallel = num_seqs * splits > 1 && total * num_heads >= kParallelMinWork;
 #pragma omp parallel if (parallel)
   {
-    std::vector<float> q(hd), row(token_stride), acc(hd), scores;
+    std::vector<float> q(hd), row(num_kv_heads * head_size), acc(hd), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * splits; ++task) {
       const int64_t seq = task / splits, part = task % splits;
@@ -267,25 +278,42 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
   }
 }
 
+// The caches as kv_kind says (kv_quant.h): in the query's dtype T, or 8-bit.
+template <typename T>
+void decode_dispatch(const T* q, const void* kc, const void* vc, const int32_t* bt,
+                     const int32_t* sl, const int32_t* qsl, T* out, int64_t n, int64_t h,
+                     int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale,
+                     int64_t kv_kind) {
+  if (kv_kind == kKvNative) {
+    const KvCache<T> k{static_cast<const T*>(kc), d}, v{static_cast<const T*>(vc), d};
+    decode(q, k, v, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+  } else {
+    const KvCache<uint8_t> k{static_cast<const uint8_t*>(kc), d, kv_kind};
+    const KvCache<uint8_t> v{static_cast<const uint8_t*>(vc), d, kv_kind};
+    decode(q, k, v, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 // All tensors contiguous: query/out [num_queries, num_heads, head_size]; caches [num_blocks,
-// block_size, num_kv_heads, head_size]; block_table [num_seqs, block_table_stride] int32;
+// block_size, num_kv_heads, head_size] in the query's dtype (kv_kind 0), or 8-bit with rows of
+// head_size + 4 (kv_kind 1-3, kv_quant.h); block_table [num_seqs, block_table_stride] int32;
 // seq_lens [num_seqs] int32, each >= its number of queries; qsl [num_seqs + 1] int32 or null.
-void paged_decode_attention_f32(const float* q, const float* kc, const float* vc,
+void paged_decode_attention_f32(const float* q, const void* kc, const void* vc,
                                 const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                                 float* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                                int64_t bs, int64_t bts, float scale) {
-  decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+                                int64_t bs, int64_t bts, float scale, int64_t kv_kind) {
+  decode_dispatch(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, kv_kind);
 }
 
-void paged_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+void paged_decode_attention_bf16(const uint16_t* q, const void* kc, const void* vc,
                                  const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                                  uint16_t* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                                 int64_t bs, int64_t bts, float scale) {
-  decode(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+                                 int64_t bs, int64_t bts, float scale, int64_t kv_kind) {
+  decode_dispatch(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, kv_kind);
 }
 
 }  // extern "C"

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "kv_quant.h"
 #include "simd.h"
 
 namespace {
@@ -22,17 +23,35 @@ namespace {
 constexpr int64_t kParallelMin = 64 * 1024;
 
 // key/value [T, token_elems] rows (row stride key_stride / value_stride elements) copied to
-// their cache slots, as vLLM's reshape_and_cache; slot -1 (padding) is skipped.
+// their cache slots, as vLLM's reshape_and_cache; slot -1 (padding) is skipped. kv_kind 0:
+// caches in T; else 8-bit caches, each head_size row quantized (kv_quant.h).
 template <typename T>
-void reshape_and_cache(const T* key, const T* value, T* key_cache, T* value_cache,
+void reshape_and_cache(const T* key, const T* value, void* key_cache, void* value_cache,
                        const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems,
-                       int64_t key_stride, int64_t value_stride) {
+                       int64_t key_stride, int64_t value_stride, int64_t head_size,
+                       int64_t kv_kind) {
+  if (kv_kind != kKvNative) {
+    const int64_t heads = token_elems / head_size, row = head_size + kScaleBytes;
+    auto* kc = static_cast<uint8_t*>(key_cache);
+    auto* vc = static_cast<uint8_t*>(value_cache);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slot_mapping[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = (slot * heads + h) * row;
+        quantize_row(key + t * key_stride + h * head_size, kc + dst, head_size, kv_kind);
+        quantize_row(value + t * value_stride + h * head_size, vc + dst, head_size, kv_kind);
+      }
+    }
+    return;
+  }
+  T* kc = static_cast<T*>(key_cache);
+  T* vc = static_cast<T*>(value_cache);
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slot_mapping[t];
     if (slot < 0) continue;
-    std::memcpy(key_cache + slot * token_elems, key + t * key_stride, token_elems * sizeof(T));
-    std::memcpy(value_cache + slot * token_elems, value + t * value_stride,
-                token_elems * sizeof(T));
+    std::memcpy(kc + slot * token_elems, key + t * key_stride, token_elems * sizeof(T));
+    std::memcpy(vc + slot * token_elems, value + t * value_stride, token_elems * sizeof(T));
   }
 }
 
@@ -166,9 +185,10 @@ extern "C" {
   void silu_and_mul_##SUFFIX(T* out, const T* x, int64_t rows, int64_t inter) {                \
     silu_and_mul(out, x, rows, inter);                                                          \
   }                                                                                             \
-  void reshape_and_cache_##SUFFIX(const T* k, const T* v, T* kc, T* vc, const int64_t* slots,  \
-                                 int64_t n, int64_t elems, int64_t ks, int64_t vs) {           \
-    reshape_and_cache(k, v, kc, vc, slots, n, elems, ks, vs);                                   \
+  void reshape_and_cache_##SUFFIX(const T* k, const T* v, void* kc, void* vc,                 \
+                                 const int64_t* slots, int64_t n, int64_t elems, int64_t ks,   \
+                                 int64_t vs, int64_t head_size, int64_t kv_kind) {             \
+    reshape_and_cache(k, v, kc, vc, slots, n, elems, ks, vs, head_size, kv_kind);               \
   }                                                                                             \
   void rotary_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin,     \
                        int64_t rows, int64_t num_heads, int64_t head_size, int64_t row_stride) { \

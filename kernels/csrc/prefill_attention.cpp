@@ -4,15 +4,19 @@
 // (running max, sum, rescale) is all lane-wise, with no horizontal reductions. One task per
 // (sequence, kv head, V::W rows); keys V::W at a time, converted to float32 once per task.
 // Built for the AVX2 (8 lanes) and AVX-512 (16 lanes) variants; the generic build refuses
-// (returns 1) and the caller keeps the torch reference. Ideas after vLLM's CPU attention.
+// (returns 1) and the caller keeps the torch reference. Caches in the query's dtype or 8-bit
+// (kv_quant.h), either way converted to float32 rows as a chunk is loaded. Ideas after vLLM's
+// CPU attention.
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
+#include "kv_quant.h"
 #include "simd.h"
 
 namespace {
@@ -30,16 +34,24 @@ struct Tile {  // one task: rows r0..r0+W-1 of (token, head-in-group) for kv hea
 
 // The keys and values t0..t0+n-1 of kv head kvh as float32 rows of D; rows n..W-1 zero
 // (0 * NaN would poison the sums).
-template <class V, int64_t D, typename T>
-inline void load_chunk(const T* kc, const T* vc, const int32_t* blocks, const PrefillShape& s,
-                       int64_t kvh, int64_t t0, int64_t n, float* kf, float* vf) {
+template <class V, int64_t D, typename C>
+inline void load_chunk(const KvCache<C>& kc, const KvCache<C>& vc, const int32_t* blocks,
+                       const PrefillShape& s, int64_t kvh, int64_t t0, int64_t n, float* kf,
+                       float* vf) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = t0 + i;
-    const int64_t off = blocks[t / s.block_size] * s.block_stride +
-                        (t % s.block_size) * s.token_stride + kvh * D;
-    for (int64_t j = 0; j < D; j += V::W) {
-      V::store(V::load(kc + off + j), kf + i * D + j);
-      V::store(V::load(vc + off + j), vf + i * D + j);
+    const int64_t base = blocks[t / s.block_size] * s.block_stride +
+                         (t % s.block_size) * s.token_stride;
+    if constexpr (std::is_same_v<C, uint8_t>) {  // dequantized straight into the chunk
+      kc.row(base, kvh, kf + i * D);
+      vc.row(base, kvh, vf + i * D);
+    } else {
+      const C* k = kc.row(base, kvh, nullptr);
+      const C* v = vc.row(base, kvh, nullptr);
+      for (int64_t j = 0; j < D; j += V::W) {
+        V::store(V::load(k + j), kf + i * D + j);
+        V::store(V::load(v + j), vf + i * D + j);
+      }
     }
   }
   std::fill(kf + n * D, kf + V::W * D, 0.f);
@@ -78,8 +90,9 @@ inline void chunk_step(const float* qt, const float* kf, const float* vf, const 
   }
 }
 
-template <class V, int64_t D, typename T>
-void prefill_tile(const T* query, const T* kc, const T* vc, const int32_t* block_table,
+template <class V, int64_t D, typename T, typename C>
+void prefill_tile(const T* query, const KvCache<C>& kc, const KvCache<C>& vc,
+                  const int32_t* block_table,
                   const int32_t* seq_lens, const int32_t* qsl, T* out, const PrefillShape& s,
                   const Tile& tile) {
   constexpr int W = V::W;
@@ -117,8 +130,9 @@ void prefill_tile(const T* query, const T* kc, const T* vc, const int32_t* block
   }
 }
 
-template <class V, int64_t D, typename T>
-void prefill(const T* query, const T* kc, const T* vc, const int32_t* block_table,
+template <class V, int64_t D, typename T, typename C>
+void prefill(const T* query, const KvCache<C>& kc, const KvCache<C>& vc,
+             const int32_t* block_table,
              const int32_t* seq_lens, const int32_t* qsl, T* out, int64_t num_seqs,
              const PrefillShape& s) {
   std::vector<Tile> tiles;
@@ -133,13 +147,11 @@ void prefill(const T* query, const T* kc, const T* vc, const int32_t* block_tabl
 }
 #endif
 
-// 0 when run, 1 when this build or head size has no kernel (the caller falls back).
-template <typename T>
-int prefill_dispatch(const T* q, int64_t q_row_stride, const T* kc, const T* vc,
-                     const int32_t* bt, const int32_t* sl, const int32_t* qsl, T* out, int64_t n,
-                     int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale) {
 #if PAGEDSERVE_SIMD
-  const PrefillShape s{h / hkv, h, hkv, bs, hkv * d, bs * hkv * d, q_row_stride, bts, scale};
+template <typename T, typename C>
+int prefill_sizes(const T* q, const KvCache<C>& kc, const KvCache<C>& vc, const int32_t* bt,
+                  const int32_t* sl, const int32_t* qsl, T* out, int64_t n, int64_t d,
+                  const PrefillShape& s) {
   if (d == 64) {
     prefill<Vec, 64>(q, kc, vc, bt, sl, qsl, out, n, s);
     return 0;
@@ -148,11 +160,32 @@ int prefill_dispatch(const T* q, int64_t q_row_stride, const T* kc, const T* vc,
     prefill<Vec, 128>(q, kc, vc, bt, sl, qsl, out, n, s);
     return 0;
   }
+  return 1;
+}
+#endif
+
+// 0 when run, 1 when this build or head size has no kernel (the caller falls back). The
+// caches as kv_kind says (kv_quant.h): in the query's dtype T, or 8-bit.
+template <typename T>
+int prefill_dispatch(const T* q, int64_t q_row_stride, const void* kc, const void* vc,
+                     const int32_t* bt, const int32_t* sl, const int32_t* qsl, T* out, int64_t n,
+                     int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale,
+                     int64_t kv_kind) {
+#if PAGEDSERVE_SIMD
+  const int64_t row = kv_kind == kKvNative ? d : d + kScaleBytes;  // elements per head
+  const PrefillShape s{h / hkv, h, hkv, bs, hkv * row, bs * hkv * row, q_row_stride, bts, scale};
+  if (kv_kind == kKvNative) {
+    const KvCache<T> k{static_cast<const T*>(kc), d}, v{static_cast<const T*>(vc), d};
+    return prefill_sizes(q, k, v, bt, sl, qsl, out, n, d, s);
+  }
+  const KvCache<uint8_t> k{static_cast<const uint8_t*>(kc), d, kv_kind};
+  const KvCache<uint8_t> v{static_cast<const uint8_t*>(vc), d, kv_kind};
+  return prefill_sizes(q, k, v, bt, sl, qsl, out, n, d, s);
 #else
   (void)q, (void)q_row_stride, (void)kc, (void)vc, (void)bt, (void)sl, (void)qsl, (void)out;
-  (void)n, (void)h, (void)hkv, (void)d, (void)bs, (void)bts, (void)scale;
-#endif
+  (void)n, (void)h, (void)hkv, (void)d, (void)bs, (void)bts, (void)scale, (void)kv_kind;
   return 1;
+#endif
 }
 
 }  // namespace
@@ -162,18 +195,21 @@ extern "C" {
 // query rows [T, >= num_heads * head_size] with row stride q_row_stride; out [T, num_heads,
 // head_size] contiguous; the rest as paged_decode_attention with qsl required. Returns 0, or
 // 1 when head_size is not 64 or 128 or this is the generic build (the caller falls back).
-int paged_prefill_attention_f32(const float* q, int64_t qs, const float* kc, const float* vc,
+int paged_prefill_attention_f32(const float* q, int64_t qs, const void* kc, const void* vc,
                                 const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                                 float* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                                int64_t bs, int64_t bts, float scale) {
-  return prefill_dispatch(q, qs, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+                                int64_t bs, int64_t bts, float scale, int64_t kv_kind) {
+  return prefill_dispatch(q, qs, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale,
+                          kv_kind);
 }
 
-int paged_prefill_attention_bf16(const uint16_t* q, int64_t qs, const uint16_t* kc,
-                                 const uint16_t* vc, const int32_t* bt, const int32_t* sl,
+int paged_prefill_attention_bf16(const uint16_t* q, int64_t qs, const void* kc,
+                                 const void* vc, const int32_t* bt, const int32_t* sl,
                                  const int32_t* qsl, uint16_t* out, int64_t n, int64_t h,
-                                 int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale) {
-  return prefill_dispatch(q, qs, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+                                 int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale,
+                                 int64_t kv_kind) {
+  return prefill_dispatch(q, qs, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale,
+                          kv_kind);
 }
 
 // Whether this build has the prefill kernel (the AVX2 and AVX-512 variants).

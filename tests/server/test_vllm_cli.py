@@ -33,12 +33,12 @@ def usage_error(capsys, *argv: str) -> str:
 def test_harmless_vllm_flags_are_recorded_and_their_values_are_not_the_model():
     args = parse("--trust-remote-code", "--uvicorn-log-level", "warning", "my/model",
                  "--disable-log-requests", "--disable-log-stats", "--swap-space", "4",
-                 "--cpu-offload-gb", "0", "--kv-cache-dtype", "auto", "--port", "9")
+                 "--cpu-offload-gb", "0", "--task", "generate", "--port", "9")
     assert args.model_tag == "my/model" and args.port == 9
     assert args.vllm_ignored == ["--trust-remote-code", "--uvicorn-log-level warning",
                                  "--disable-log-requests", "--disable-log-stats",
                                  "--swap-space 4", "--cpu-offload-gb 0",
-                                 "--kv-cache-dtype auto"]
+                                 "--task generate"]
     assert parse().vllm_ignored == []
 
 
