@@ -38,7 +38,7 @@ def test_describe_names_every_band():
 
 def test_each_band_runs_its_path(tiny_gguf_path):
     config = loader.load_config(loader.resolve_model(str(tiny_gguf_path)).path)
-    blocks, _ = gguf_linear.read_blocks(tiny_gguf_path, config)
+    blocks, _ = gguf_ranks.read_blocks(tiny_gguf_path, config)
     plan = linear_bands.LinearPlan("auto", ((2, "int8"), (8, "exact"), (ALL, "dense")))
     seen = set()
     for name, (qtype, qweight) in blocks.items():
