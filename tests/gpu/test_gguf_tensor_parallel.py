@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from pagedserve.gpu import gguf_linear, loader
-from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
+from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel.comm import ParallelContext, free_port
 from pagedserve.gpu.parallel.gguf_shard import CopiedBytes, check_gguf_split, shard_blocks
 from pagedserve.gpu.parallel.layout import rank_layout

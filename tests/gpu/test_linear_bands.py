@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedserve.gpu import gguf_linear, linear_bands, loader
-from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.linear_bands import ALL, plan_for
+from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.kernels import gguf_ops
 
 
