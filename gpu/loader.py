@@ -116,8 +116,8 @@ def gguf_metadata_dir(gguf: Path) -> Path:
     except OSError:
         if not (target / "config.json").exists():
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    finally:  # gone after the rename; left by the loser of a race between two starts
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("gguf_metadata_cached", file=str(gguf), cache=str(target),
              seconds=round(time.perf_counter() - start, 2))
     return target
