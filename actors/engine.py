@@ -282,6 +282,7 @@ class AsyncEngine(GenerateMixin):
                                device=self.info.device, max_model_len=self.info.max_model_len,
                                quantization=self.info.quantization,
                                cpu_linear_paths=self.info.cpu_linear_paths,
+                               weights_resident=self.info.weights_resident,
                                cpu_isa=cpu_ops.isa_level() if self.info.device == "cpu" else None)
         config["cache"].update(num_blocks=self.info.num_blocks,
                                kv_cache_memory_bytes=self.info.kv_cache_bytes)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from pagedserve.gpu import cpu_gemm, kv_cache, loader
+from pagedserve.gpu import cpu_gemm, gguf_load, kv_cache, loader
 from pagedserve.gpu.attention import AttentionBackend
 from pagedserve.gpu.batch import ScheduledRequest, order_batch
 from pagedserve.gpu.config import DraftModelConfig
@@ -78,9 +78,14 @@ class DraftModel:
         resolved = loader.resolve_model(self.config.model)
         check_same_tokenizer(resolved.path, target_path)
         hf_config = loader.load_config(resolved.path)
-        model = LlamaForCausalLM.build(hf_config, backend, max_model_len,
-                                       get_layer_ops(backend.name, dtype), device, dtype)
-        loader.load_weights(model, resolved.path)
+        ops = get_layer_ops(backend.name, dtype)
+        if resolved.gguf_file is not None:  # de-quantized from the file, our way
+            model, _ = gguf_load.load_gguf_model(resolved.gguf_file, hf_config, backend,
+                                                 max_model_len, ops, device, dtype, None)
+        else:
+            model = LlamaForCausalLM.build(hf_config, backend, max_model_len, ops, device,
+                                           dtype)
+            loader.load_weights(model, resolved.path)
         if cpu_gemm.can_pack(dtype, device):
             cpu_gemm.pack_linears(model)
         self.model = model.eval()

@@ -1,61 +1,37 @@
-"""Linear layers that keep a GGUF file's quantized weights (``--quantization gguf``).
+"""Layers that keep a GGUF file's quantized weights (``--quantization gguf``).
 
 A CPU decode step reads every weight once, so its speed is the bytes it reads: SmolLM2-135M's
-Q4_1/Q8_0 file is 96 MB per step where the de-quantized bfloat16 weights are 270 MB. Layers
-whose GGUF tensors are Q4_0, Q4_1 or Q8_0 keep the file's blocks and multiply through
-``kernels.gguf_ops.gguf_linear``; other types (K-quants, F16) stay de-quantized as loaded. The
-embedding lookup keeps its de-quantized table (one row per token), while a tied ``lm_head``
-multiplies by the quantized ``token_embd`` (a fifth of the model's bytes).
+Q4_1/Q8_0 file is 96 MB per step where the de-quantized bfloat16 weights are 270 MB. A
+``GGUFLinear`` is a list of *parts*, one per GGUF tensor of the module (``qkv_proj`` = q, k, v;
+``gate_up_proj`` = gate, up), each multiplied by its own kernel into its slice of the output:
+the parts of a ``_M`` file's module may have different types (Q4_K q/k, Q6_K v), and no
+concatenation copy of the weights is needed. A part holds ONE form of its weights:
+
+- ``exact``: the file's rows (a view of the memory-mapped file), ``gguf_ops.gguf_linear``;
+- ``int8``: the int8 kernel's panels (``gguf_ops.gguf_q8_repack``), ``gguf_ops.gguf_q8_linear``;
+- ``float``: a type no kernel multiplies (F16, BF16, or a quantized type not yet in
+  ``gguf_ops.GGUF_TYPES``), de-quantized, ``F.linear``.
+
+``GGUFEmbedding`` keeps ``token_embd`` quantized and de-quantizes only the looked-up rows; a
+tied ``lm_head`` is a ``GGUFLinear`` over the same tensor (one copy).
 
 vLLM keeps GGUF weights quantized the same way (``vllm/model_executor/layers/quantization/
 gguf.py``); the tensor names and llama.cpp's q/k row permutation are those of transformers'
-``integrations/ggml.py`` and llama.cpp's ``convert_hf_to_gguf.py``.
+``modeling_gguf_pytorch_utils.py`` and llama.cpp's ``convert_hf_to_gguf.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
-from pathlib import Path
+from dataclasses import dataclass
 
-import structlog
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedserve.gpu import linear_bands
-from pagedserve.gpu.parallel.gguf_shard import (
-    CopiedBytes,
-    cached_rank_blocks,
-    check_gguf_split,
-    gguf_part,
-    rank_blocks,
-)
-from pagedserve.gpu.parallel.layout import RankLayout
-from pagedserve.kernels import cpu_ops, gguf_ops
+from pagedserve.kernels import cpu_ops, gguf_ops, gguf_q8_rows
 
-log = structlog.get_logger(__name__)
-
-# GGUF tensor name (after ``blk.{i}.``) -> our module path (after ``model.layers.{i}.``), and
-# the fused module each belongs to with its position in the fusion.
-_LAYER_TENSORS = {
-    "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1),
-    "attn_v": ("self_attn.qkv_proj", 2), "attn_output": ("self_attn.o_proj", 0),
-    "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
-    "ffn_down": ("mlp.down_proj", 0),
-}
-_PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
-# Where load_blocks caches a file's blocks; the version changes with what read_blocks returns.
-BLOCKS_CACHE = "gguf_blocks-v1.safetensors"
-# A bfloat16 model's batches of more rows than this go to the de-quantized copy (oneDNN) in
-# the exact mode.
-BF16_MAX_KERNEL_ROWS = linear_bands.BF16_MAX_KERNEL_ROWS
-# llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
-_PERMUTED_ARCHS = {"llama", "mistral"}
+PART_PATHS = ("exact", "int8", "float")
 
 
 def supported(device: torch.device) -> bool:
@@ -63,52 +39,138 @@ def supported(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_ops.load() is not None
 
 
+@dataclass(slots=True)
+class LinearPart:
+    """One GGUF tensor's share of a module's output rows.
+
+    ``weight``: by ``path``, uint8 ``[out, row_bytes]`` file rows (``exact``), uint8 panels
+    ``[ceil(out / 16) * 16, row_bytes]`` (``int8``) or ``[out, in]`` in the model dtype
+    (``float``). ``qtype``: its GGML type id (``float``: the file's, for the log).
+    ``interleaved_heads``: > 0 when the rows are in llama.cpp's q/k interleave of that many
+    heads (the file's order, kept to avoid a copy): the output is un-interleaved instead.
+    """
+
+    path: str
+    weight: torch.Tensor
+    qtype: int
+    out_features: int
+    interleaved_heads: int = 0
+
+    def run(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` ``[T, in]`` → ``[T, out_features]`` in the part's row order."""
+        if self.path == "exact":
+            return gguf_ops.gguf_linear(rows, self.weight, self.qtype)
+        if self.path == "int8":
+            return gguf_ops.gguf_q8_linear(rows, self.weight, self.qtype, self.out_features)
+        return F.linear(rows, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+def quantized_part(rows: torch.Tensor, qtype: int, in_features: int, path: str,
+                   interleaved_heads: int = 0) -> LinearPart:
+    """A part over GGUF ``rows`` (uint8 ``[out, row_bytes]``, ``gguf_ops.GGUF_TYPES``) for the
+    plan's ``path``: ``int8`` repacks them (the panels replace the rows: one copy), unless the
+    int8 kernel has no such type, which then runs ``exact``. ``int8`` needs the rows in the
+    model's order (``interleaved_heads`` 0: the panels are not un-interleaved on output)."""
+    out = rows.shape[0]
+    if path == "int8" and not interleaved_heads:
+        try:
+            packed = gguf_ops.gguf_q8_repack(rows.contiguous(), qtype, in_features)
+            return LinearPart("int8", packed, qtype, out)
+        except ValueError:
+            pass  # no int8 kernel for this type: the exact one reads the rows
+    return LinearPart("exact", rows.contiguous(), qtype, out, interleaved_heads)
+
+
 class GGUFLinear(nn.Module):
-    """``y = x @ W.T + b`` reading ``W`` as GGUF blocks, by the path ``plan`` names for the
-    call's row count (``linear_bands.py``): ``exact`` through ``gguf_ops.gguf_linear``,
-    ``int8`` through ``gguf_ops.gguf_q8_linear`` (on a repacked copy of the blocks), ``dense``
-    through the de-quantized layer (oneDNN; several times faster than our float32 kernel above
-    4 rows in a bfloat16 model, ``loadtest/RESULTS.md``).
+    """``y = x @ W.T + b`` with ``W`` the stacked rows of ``parts``, each read by its path.
 
     Args:
-        dense: the loaded ``nn.Linear``: its bias is used on every path; its weight is kept
-            only where a band runs dense (a float32 model's exact mode never does: one copy of
-            the weights, the blocks; 0.43 GB of SmolLM2-135M's float32 linears freed).
-        qweight: ``[out, in / 32 * block_bytes]`` uint8, rows in transformers' order.
-        qtype: GGML type id (``gguf_ops.GGUF_TYPES``).
-        plan: the bands; None = ``linear_bands.exact_plan`` for the weight's dtype (today's).
+        parts: in output order; their ``out_features`` sum to the layer's.
+        in_features: K, a multiple of the types' block sizes.
+        bias: float ``[out]`` in the model dtype, or None.
+        plan: the mode the parts were made for (``/admin/stats``); None: exact.
 
     Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype.
     """
 
-    def __init__(self, dense: nn.Linear, qweight: torch.Tensor, qtype: int,
-                 plan: linear_bands.LinearPlan | None = None):
+    def __init__(self, parts: list[LinearPart], in_features: int,
+                 bias: torch.Tensor | None = None, plan: linear_bands.LinearPlan | None = None):
         super().__init__()
-        self.plan = plan or linear_bands.exact_plan(dense.weight.dtype)
-        bands = self.plan.bands
-        # The rows up to which the blocks are read (above: dense), as before the plan.
-        self.max_rows = next((bands[i - 1][0] for i, (_, p) in enumerate(bands)
-                              if p == "dense" and i > 0), sys.maxsize)
-        self.dense = dense if self.plan.uses("dense") else None
-        self.bias = dense.bias
-        self.qweight, self.qtype = qweight.contiguous(), qtype
-        self.in_features, self.out_features = dense.in_features, dense.out_features
-        self.packed = (gguf_ops.gguf_q8_repack(self.qweight, qtype, self.in_features)
-                       if self.plan.uses("int8") else None)
-        self._only = bands[0][1] if len(bands) == 1 else None  # one band: no lookup per call
+        if not parts:
+            raise ValueError("a GGUFLinear needs at least one part")
+        self.parts = parts
+        for i, p in enumerate(parts):  # buffers: the model's tensors count them (memory.py)
+            self.register_buffer(f"part{i}", p.weight, persistent=False)
+        self.plan = plan or linear_bands.exact_plan()
+        self.in_features = in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.starts = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
+        # One part in the model's row order: its output is the layer's, no copy.
+        self._single = len(parts) == 1 and not parts[0].interleaved_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        path = self._only or self.plan.path_for(x.numel() // self.in_features)
-        if path == "dense":
-            return self.dense(x)
-        if path == "int8":
-            y = gguf_ops.gguf_q8_linear(x, self.packed, self.qtype, self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if self._single:
+            y = self.parts[0].run(rows)
         else:
-            y = gguf_ops.gguf_linear(x, self.qweight, self.qtype)
-        return y if self.bias is None else y + self.bias
+            t = rows.shape[0]
+            y = torch.empty((t, self.out_features), dtype=x.dtype, device=x.device)
+            for part, start in zip(self.parts, self.starts, strict=True):
+                out, got = y[:, start:start + part.out_features], part.run(rows)
+                if h := part.interleaved_heads:
+                    # file row (head, i, j) of (H, D/2, 2) is the model's (head, j, i)
+                    out.view(t, h, 2, -1).copy_(got.view(t, h, -1, 2).transpose(2, 3))
+                else:
+                    out.copy_(got)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"qtype={self.qtype}, bands={self.plan.describe()}"
+        parts = ", ".join(f"{p.path}:{p.qtype}x{p.out_features}" for p in self.parts)
+        return f"in={self.in_features}, parts=[{parts}]"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings kept as GGUF blocks: a lookup gathers the ids' rows and de-quantizes
+    only those (``gguf_ops.gguf_dequantize``).
+
+    Args:
+        part: ``exact`` (file rows) or ``int8`` (panels, shared with a tied ``lm_head``; read
+            back through ``gguf_q8_rows``) over ``[vocab, row_bytes]``.
+        embedding_dim: the hidden size.
+        dtype: of the output.
+
+    ``forward(ids)``: int64 ``[...]`` → ``[..., embedding_dim]`` in ``dtype``.
+    Raises ``IndexError`` for an id outside the vocabulary.
+    """
+
+    def __init__(self, part: LinearPart, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        if part.path not in ("exact", "int8"):
+            raise ValueError(f"a GGUFEmbedding reads blocks, not a {part.path} part")
+        self.part, self.embedding_dim, self.dtype = part, embedding_dim, dtype
+        self.register_buffer("table", part.weight, persistent=False)
+        self.num_embeddings = part.out_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id outside the vocabulary of {self.num_embeddings}")
+        if self.part.path == "int8":
+            rows = gguf_q8_rows.unpack_rows(self.part.weight, self.part.qtype, flat)
+        else:
+            rows = self.part.weight.index_select(0, flat)
+        values = gguf_ops.gguf_dequantize(rows, self.part.qtype, self.embedding_dim)
+        return values.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.part.path}:{self.part.qtype}"
 
 
 def linear_paths(model: nn.Module) -> list[dict] | None:
@@ -122,137 +184,20 @@ def linear_paths(model: nn.Module) -> list[dict] | None:
              **band} for band in layer.plan.describe()]
 
 
-def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+def gguf_parts(model: nn.Module) -> list[LinearPart]:
+    """Every part of the model's GGUF layers and embedding, each tensor once (a tied
+    ``lm_head`` and the embedding share one)."""
+    seen: dict[int, LinearPart] = {}
+    for m in model.modules():
+        for part in (m.parts if isinstance(m, GGUFLinear) else
+                     [m.part] if isinstance(m, GGUFEmbedding) else []):
+            seen.setdefault(id(part.weight), part)
+    return list(seen.values())
+
+
+def unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row interleave: GGUF row ``(h, i, j)`` of ``(n_head, D/2, 2)`` is
-    transformers' row ``(h, j, i)`` of ``(n_head, 2, D/2)``."""
+    transformers' row ``(h, j, i)`` of ``(n_head, 2, D/2)``; a copy. ``rows`` ``[n, ...]``."""
     n = rows.shape[0]
     return (rows.reshape(n_head, n // n_head // 2, 2, -1).transpose(1, 2)
-            .reshape(n, -1).contiguous())
-
-
-def _read(path: Path):
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
-    return arch, {t.name: t for t in reader.tensors}
-
-
-def _interleaved_heads(name: str, arch: str, heads: int, kv_heads: int) -> int:
-    """The heads whose q/k rows llama.cpp interleaved in tensor ``name`` (0: none)."""
-    short = name.split(".")[-2]
-    return {"attn_q": heads, "attn_k": kv_heads}.get(short, 0) if arch in _PERMUTED_ARCHS else 0
-
-
-def read_blocks(gguf_file: Path, config: PretrainedConfig, layout: RankLayout | None = None,
-                copied: CopiedBytes | None = None) -> tuple[dict, list[str]]:
-    """The file's quantized linears by our module name: ``{name: (GGML type, [out, row_bytes]
-    uint8 rows in transformers' order, fused parts stacked)}``, and the names left de-quantized
-    (a type we have no kernel for, or parts of one fused module with different types).
-    ``layout``: only that rank's share is copied out of the file (``gguf_shard.rank_blocks``);
-    ``copied`` counts the bytes copied."""
-    arch, tensors = _read(gguf_file)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    copied = copied if copied is not None else CopiedBytes()
-    groups: dict[str, list] = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-            target, pos = _LAYER_TENSORS[parts[2]]
-            groups.setdefault(f"model.layers.{parts[1]}.{target}", [None] * _PARTS.get(
-                target, 1))[pos] = t
-    lm_head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if lm_head is not None:
-        groups["lm_head"] = [lm_head]
-    blocks, kept = {}, []
-    for target, parts in groups.items():
-        qtypes = {int(t.tensor_type) for t in parts if t is not None}
-        if (None in parts or len(qtypes) != 1
-                or qtypes & gguf_ops.GGUF_TYPES.keys() != qtypes):
-            kept.append(target)
-            continue
-        qtype = qtypes.pop()
-        reads = [gguf_part(t.data, _interleaved_heads(t.name, arch, heads, kv_heads),
-                           _unpermute, copied) for t in parts]
-        if layout is None:
-            rows = [read(slice(0, n), slice(None)) for n, read in reads]
-            blocks[target] = (qtype, torch.cat(rows) if len(rows) > 1 else rows[0])
-        elif (local := rank_blocks(target, qtype, reads, config, layout)) is not None:
-            blocks[target] = (qtype, local)
-    return blocks, kept
-
-
-def load_blocks(gguf_file: Path, config: PretrainedConfig, cache_dir: Path | None = None,
-                layout: RankLayout | None = None,
-                copied: CopiedBytes | None = None) -> tuple[dict, list[str]]:
-    """``read_blocks``, cached as safetensors in ``cache_dir`` (the file's converted folder):
-    parsing the GGUF is a noticeable share of every start, reading the cache a small fraction
-    of it (``loadtest/RESULTS.md``). A tensor/pipeline-parallel rank (``layout``) copies only
-    its share, from the cache where it exists (else from the GGUF file, and writes no cache:
-    that would read every block); ``copied`` counts the bytes copied.
-
-    Raises:
-        ValueError: with ``layout``, a split that cuts a block (``check_gguf_split``).
-    """
-    copied = copied if copied is not None else CopiedBytes()
-    if layout is not None:
-        check_gguf_split(config, layout.tp_size)
-    cached = cache_dir / BLOCKS_CACHE if cache_dir is not None else None
-    if cached is not None and cached.exists():
-        with safe_open(cached, framework="pt") as f:
-            meta = f.metadata()
-            qtypes = json.loads(meta["qtypes"])
-            if layout is not None:
-                return cached_rank_blocks(f, qtypes, config, layout, copied), json.loads(
-                    meta["kept"])
-            return ({name: (qtype, f.get_tensor(name)) for name, qtype in qtypes.items()},
-                    json.loads(meta["kept"]))
-    blocks, kept = read_blocks(gguf_file, config, layout, copied)
-    if cached is not None and layout is None:
-        # Written beside and renamed: a crash or a concurrent start never leaves half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=cached.parent)
-        os.close(fd)
-        try:
-            save_file({name: rows for name, (_, rows) in blocks.items()}, tmp, metadata={
-                "qtypes": json.dumps({name: qtype for name, (qtype, _) in blocks.items()}),
-                "kept": json.dumps(kept)})
-            os.replace(tmp, cached)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return blocks, kept
-
-
-def quantize_model(model: nn.Module, gguf_file: Path, config: PretrainedConfig,
-                   cache_dir: Path | None = None, layout: RankLayout | None = None,
-                   plan: linear_bands.LinearPlan | None = None) -> int:
-    """Swap ``model``'s linears for ``GGUFLinear``s holding ``gguf_file``'s blocks, in place
-    (``load_blocks``; ``cache_dir`` as there). ``layout``: a tensor/pipeline-parallel rank's
-    ``RankLayout``, whose share of the blocks it keeps (``parallel/gguf_shard.py``; raises
-    ``ValueError`` where a row-parallel split would cut a block). ``plan``: the paths per batch
-    band (``linear_bands.plan_for``; None: the exact mode). Returns how many modules were
-    swapped."""
-    copied = CopiedBytes()
-    blocks, kept = load_blocks(gguf_file, config, cache_dir, layout, copied)
-    log.info("gguf_blocks_read", bytes=copied.total,
-             rank=None if layout is None else layout.rank)
-    modules = dict(model.named_modules())
-    swapped = 0
-    for target, (qtype, qweight) in blocks.items():
-        module = modules.get(target)
-        if not isinstance(module, nn.Linear) or qweight.shape[0] != module.out_features:
-            kept.append(target)
-            continue
-        parent, _, leaf = target.rpartition(".")
-        layer = GGUFLinear(module, qweight, qtype, plan)
-        setattr(modules[parent] if parent else model, leaf, layer)
-        swapped += 1
-    if plan is not None:
-        log.info("gguf_linear_paths", cpu_linear_mode=plan.mode, tier=plan.tier,
-                 isa=cpu_ops.isa_level(), bands=plan.describe())
-    if kept:
-        log.info("gguf_linears_dequantized", modules=len(kept), first=kept[0],
-                 reason="type not Q4_0/Q4_1/Q8_0 or mixed within a fused module")
-    return swapped
+            .reshape(rows.shape).contiguous())

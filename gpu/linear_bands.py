@@ -5,16 +5,17 @@ A call's rows (the step's tokens) fall in a *band*; each band names a path:
 - ``exact``: ``gguf_ops.gguf_linear``, float32 products of the exactly de-quantized weights
   (greedy output equals transformers' on the same file);
 - ``int8``: ``gguf_ops.gguf_q8_linear``, activations quantized to 8 bits per 32-value block
-  and integer block products (llama.cpp's arithmetic; output differs, see the README);
-- ``dense``: the de-quantized weights through oneDNN/MKL (``F.linear``, or the pre-packed
-  bfloat16 layer where the CPU has bfloat16 units).
+  and integer block products (llama.cpp's arithmetic; output differs, see the README).
 
-Modes: ``exact`` is what the server did before the flag (a float32 model: the exact kernel at
-every size; a bfloat16 one: exact up to 4 rows, dense above); ``int8``: int8 at every size;
-``auto``: the fastest path per band for this ISA tier and dtype, from ``AUTO_BANDS`` (measured,
-``loadtest/bench_gguf_linear.py``, figures in ``loadtest/RESULTS.md`` "int8 activations"),
-except that an explicit ``--dtype float32`` means exact (the greedy-parity setting, which the
-tests and fixtures pass).
+A layer holds ONE copy of its weights, the form its path reads: the file's rows (``exact``)
+or the int8 kernel's panels (``gguf_q8_repack``, the same bytes). So a plan names one path for
+every band; there is no de-quantized copy at any batch size (a bfloat16 model's large batches
+used to go to one, oneDNN's, at the cost of the weights' bytes a second time in bfloat16).
+
+Modes: ``exact``: the exact kernel at every size; ``int8``: int8 at every size; ``auto``: the
+path of ``AUTO_BANDS`` for this ISA tier and dtype (measured, ``loadtest/bench_gguf_linear.py``,
+figures in ``loadtest/RESULTS.md`` "int8 activations"), except that an explicit
+``--dtype float32`` means exact (the greedy-parity setting, which the tests and fixtures pass).
 """
 
 from __future__ import annotations
@@ -25,25 +26,22 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("exact", "int8", "auto")
-PATHS = ("exact", "int8", "dense")
+PATHS = ("exact", "int8")
 ALL = sys.maxsize
-# A bfloat16 model's exact mode: batches above this go to the dense copy (oneDNN bfloat16).
-BF16_MAX_KERNEL_ROWS = 4
 
 # (tier, dtype) -> bands (max rows, path), from loadtest/RESULTS.md "int8 activations": AMD
 # EPYC Zen 5 (AVX-512, VNNI, AVX512-BF16), 2 cores, shared and loaded, 2026-12-01; medians of 5
 # alternating runs of bench_gguf_linear.py, 1 thread, SmolLM2's fused shapes at 1-512 rows,
-# compared per step (30 decoder layers + the lm_head).
-# - avx2 tier, float32 (no bfloat16 units there): int8 2.3-3.3x the exact kernel per decoder
-#   layer at every row count, and faster than float32 oneDNN at every one;
-# - avx512, float32: int8 2.2-3.1x exact at every row count (one 4.6x outlier at 16);
+# compared per step (30 decoder layers + the lm_head):
+# - avx2 and avx512, float32: int8 2.2-3.3x the exact kernel per decoder layer at every row
+#   count;
 # - avx512, bfloat16 activations: int8 1.3-2.7x oneDNN's packed bfloat16 up to 16 rows, level
-#   at 32-64 rows, level or behind from 128 (0.77-1.0x): dense from 33 rows, where ties go to
-#   the path the exact mode also takes.
+#   from 32 (0.77-1.0x from 128); oneDNN needs a de-quantized copy, so int8 at every size.
 AUTO_BANDS: dict[tuple[str, str], tuple[tuple[int, str], ...]] = {
     ("avx2", "float32"): ((ALL, "int8"),),
+    ("avx2", "bfloat16"): ((ALL, "int8"),),
     ("avx512", "float32"): ((ALL, "int8"),),
-    ("avx512", "bfloat16"): ((32, "int8"), (ALL, "dense")),
+    ("avx512", "bfloat16"): ((ALL, "int8"),),
 }
 
 
@@ -55,6 +53,17 @@ class LinearPlan:
     mode: str
     bands: tuple[tuple[int, str], ...]
     tier: str | None = None
+
+    def __post_init__(self) -> None:
+        paths = {p for _, p in self.bands}
+        if not self.bands or len(paths) != 1 or not paths <= set(PATHS):
+            raise ValueError(f"a plan's bands name one path of {', '.join(PATHS)} (a layer "
+                             f"holds one form of its weights), got {self.bands}")
+
+    @property
+    def path(self) -> str:
+        """The one path every band runs: which form of the weights a layer keeps."""
+        return self.bands[0][1]
 
     def path_for(self, rows: int) -> str:
         for max_rows, path in self.bands:
@@ -75,11 +84,9 @@ class LinearPlan:
         return out
 
 
-def exact_plan(dtype: torch.dtype, tier: str | None = None) -> LinearPlan:
-    """Today's paths: float32 reads the blocks at every size; bfloat16 up to 4 rows."""
-    if dtype == torch.float32:
-        return LinearPlan("exact", ((ALL, "exact"),), tier)
-    return LinearPlan("exact", ((BF16_MAX_KERNEL_ROWS, "exact"), (ALL, "dense")), tier)
+def exact_plan(tier: str | None = None) -> LinearPlan:
+    """The exact kernel at every size, on the file's rows."""
+    return LinearPlan("exact", ((ALL, "exact"),), tier)
 
 
 def plan_for(mode: str, dtype_flag: str, dtype: torch.dtype, tier: str | None) -> LinearPlan:
@@ -92,10 +99,10 @@ def plan_for(mode: str, dtype_flag: str, dtype: torch.dtype, tier: str | None) -
     if mode not in MODES:
         raise ValueError(f"unknown --cpu-linear-mode {mode!r}; choose {', '.join(MODES)}")
     if mode == "exact" or (mode == "auto" and dtype_flag == "float32"):
-        return exact_plan(dtype, tier)
+        return exact_plan(tier)
     if mode == "int8":
         return LinearPlan("int8", ((ALL, "int8"),), tier)
     bands = AUTO_BANDS.get((tier or "", str(dtype).removeprefix("torch.")))
     if bands is None:
-        return LinearPlan("auto", exact_plan(dtype, tier).bands, tier)
+        return LinearPlan("auto", exact_plan(tier).bands, tier)
     return LinearPlan("auto", bands, tier)

@@ -1,10 +1,12 @@
 """Find a model the way ``vllm serve`` takes it, and load its weights into our model code.
 
 A model is a ``.gguf`` file, a local Hugging Face directory, or a hub id (downloaded through
-``huggingface_hub`` or taken from its local cache). A GGUF is converted once by transformers
-(which de-quantizes it, with its progress bar) and cached as a Hugging Face directory under
-``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``), keyed by the file's sha256, so the next
-start only reads safetensors.
+``huggingface_hub`` or taken from its local cache). A GGUF's weights are read from the file
+itself (``gguf_load.py``); only its small artifacts (config, tokenizer, generation config, read
+from its metadata by transformers, no tensor de-quantized) are cached as a folder under
+``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``), keyed by the file's path, size and
+mtime. ``convert_gguf`` (transformers' full de-quantized copy as safetensors) remains for
+tensor/pipeline-parallel ranks, which read their float share from it, and as the tests' oracle.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +40,9 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(slots=True)
 class ResolvedModel:
-    """A loadable Hugging Face directory and the name it is served under by default;
-    ``gguf_file``: the GGUF it was converted from, if any (its quantized blocks can be kept)."""
+    """A folder with the model's config and tokenizer (for a Hugging Face model also its
+    weights) and the name it is served under by default; ``gguf_file``: the GGUF file the
+    weights are read from, if any (``path`` then holds only its small artifacts)."""
 
     path: Path
     default_served_name: str
@@ -69,8 +73,60 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# Bump when what gguf_metadata_dir writes changes.
+_METADATA_VERSION = "v1"
+
+
+def _file_key(gguf: Path) -> str:
+    """Cheap identity of a file: its path, size and mtime (a full hash of a 5 GB file would
+    cost more than the whole start)."""
+    st = gguf.stat()
+    key = f"{_METADATA_VERSION}\0{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def gguf_metadata_dir(gguf: Path) -> Path:
+    """A cached folder with ``gguf``'s ``config.json``, tokenizer files and
+    ``generation_config.json``, written on first use from the file's metadata (transformers
+    reads it without de-quantizing a tensor).
+
+    Raises:
+        ModelLoadError: transformers cannot read the file's metadata.
+    """
+    target = cache_root() / "gguf-meta" / _file_key(gguf)
+    if (target / "config.json").exists():
+        return target
+    from transformers import GenerationConfig
+
+    start = time.perf_counter()
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many kinds for unreadable files
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:  # gone after the rename; left by the loser of a race between two starts
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("gguf_metadata_cached", file=str(gguf), cache=str(target),
+             seconds=round(time.perf_counter() - start, 2))
+    return target
+
+
 def convert_gguf(gguf: Path) -> Path:
-    """Return a cached Hugging Face directory for ``gguf``, converting it on first use.
+    """Return a cached Hugging Face directory for ``gguf``, converting it on first use:
+    transformers de-quantizes every tensor (slow, and the weights' float32 bytes on disk).
+    Only tensor/pipeline-parallel ranks and tests read it.
 
     Raises:
         ModelLoadError: transformers cannot read the file.
@@ -118,7 +174,7 @@ def _save_converted(model, tokenizer, tmp: Path) -> None:
 
 
 def resolve_model(model: str | None) -> ResolvedModel:
-    """Turn ``--model`` into a local Hugging Face directory.
+    """Turn ``--model`` into a local folder (``ResolvedModel``).
 
     Raises:
         ModelLoadError: the file or folder is missing, or a hub id is neither cached locally
@@ -126,12 +182,12 @@ def resolve_model(model: str | None) -> ResolvedModel:
     """
     if model is None:
         gguf = embedded_gguf_path()
-        return ResolvedModel(convert_gguf(gguf), EMBEDDED_SERVED_NAME, gguf)
+        return ResolvedModel(gguf_metadata_dir(gguf), EMBEDDED_SERVED_NAME, gguf)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return ResolvedModel(convert_gguf(path.resolve()), model, path.resolve())
+        return ResolvedModel(gguf_metadata_dir(path.resolve()), model, path.resolve())
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")

@@ -13,7 +13,15 @@ import structlog
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu import cpu_gemm, gguf_linear, kv_cache, loader, memory, prompt_logprobs
+from pagedserve.gpu import (
+    cpu_gemm,
+    gguf_linear,
+    gguf_load,
+    kv_cache,
+    loader,
+    memory,
+    prompt_logprobs,
+)
 from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
@@ -24,8 +32,10 @@ from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
+from pagedserve.kernels import cpu_ops
 from pagedserve.gpu.prev_sampled import PrevSampled
 from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
@@ -59,6 +69,7 @@ class ModelInfo:
     # Tensor/pipeline parallel: per rank, what it holds and its pid (``RankLayout.describe``).
     parallel_layout: list[dict] | None = None
     cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
+    weights_resident: dict | None = None  # a GGUF's weights: form and bytes (``ModelRunner``)
 
 
 def check_kv_cache_dtype(name: str, dtype: torch.dtype, backend: AttentionBackend) -> None:
@@ -107,6 +118,7 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.model: LlamaForCausalLM | None = None
         self.quantization: str | None = None  # "gguf": the file's quantized blocks are kept
+        self.gguf_weights: gguf_load.GGUFWeights | None = None  # read from a GGUF in place
         self.eos_token_ids: list[int] = []
         # _size_kv_cache()
         self.num_blocks = 0
@@ -159,38 +171,76 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, self.dtype)
         check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype, self.attn_backend)
         ops = get_layer_ops(self.attn_backend.name, self.dtype)
-        model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len, ops,
-                                       self.device, self.dtype, self.parallel)
-        shard = None if self.parallel is None else parallel_weights.read_shard(
-            resolved.path, parallel_weights.shard_plan(self.hf_config, self.parallel.layout))
-        loader.load_weights(model, resolved.path, shard)
         # Across ranks the blocks are kept only when asked for (unset: de-quantized, as before).
         layout = None if self.parallel is None else self.parallel.layout
         self.quantization = pick_quantization(
             mc.quantization if layout is None else mc.quantization or "none", resolved,
             self.device, self.dtype)
-        if self.quantization == "gguf":
-            swapped = gguf_linear.quantize_model(model, resolved.gguf_file, self.hf_config,
-                                                 cache_dir=resolved.path, layout=layout,
-                                                 plan=pick_linear_plan(mc, self.dtype))
-            log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            m.qweight.numel() for m in model.modules() if isinstance(m, gguf_linear.GGUFLinear))
+        plan = pick_linear_plan(mc, self.dtype) if self.quantization == "gguf" else None
+        if resolved.gguf_file is not None and layout is None:  # the file, read in place
+            model, self.gguf_weights = gguf_load.load_gguf_model(
+                resolved.gguf_file, self.hf_config, self.attn_backend, self.max_model_len, ops,
+                self.device, self.dtype, plan)
+        else:
+            model = self._load_folder(resolved, ops, layout, plan)
+        if plan is not None:
+            log.info("gguf_linear_paths", cpu_linear_mode=plan.mode, tier=plan.tier,
+                     isa=cpu_ops.isa_level(), bands=plan.describe(),
+                     file=str(resolved.gguf_file))
+        model_bytes = memory.weights_bytes(model)
         if cpu_gemm.can_pack(self.dtype, self.device):
             cpu_gemm.pack_linears(model)
         self.model = model.eval()
         self.eos_token_ids = self._eos_token_ids(resolved.path)
         return model_bytes
 
+    def _load_folder(self, resolved: loader.ResolvedModel, ops, layout,
+                     plan) -> LlamaForCausalLM:
+        """A Hugging Face folder's weights (a rank's share under parallelism); a GGUF's rank
+        reads them from transformers' de-quantized copy and its blocks from the file
+        (``parallel/gguf_ranks.py``)."""
+        folder = resolved.path if resolved.gguf_file is None else loader.convert_gguf(
+            resolved.gguf_file)
+        model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len,
+                                       ops, self.device, self.dtype, self.parallel)
+        shard = None if layout is None else parallel_weights.read_shard(
+            folder, parallel_weights.shard_plan(self.hf_config, layout))
+        loader.load_weights(model, folder, shard)
+        if plan is not None:
+            swapped = gguf_ranks.quantize_model(model, resolved.gguf_file, self.hf_config,
+                                                layout, cache_dir=folder, plan=plan)
+            log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
+        return model
+
     def _log_memory(self) -> None:
         """What the resident memory is made of, once loading has let go of what it freed."""
         memory.release_freed_memory()
-        both = self.quantization == "gguf" and self.dtype != torch.float32
-        log.info("memory", **memory.resident_breakdown(self.model, self.kv_caches).as_log(),
-                 weights=("GGUF blocks + a de-quantized copy for batches over "
-                          f"{gguf_linear.BF16_MAX_KERNEL_ROWS} rows (faster there)") if both
-                 else "GGUF blocks" if self.quantization == "gguf" else str(self.dtype),
+        fields = memory.resident_breakdown(self.model, self.kv_caches).as_log()
+        if self.gguf_weights is not None:
+            fields |= self.gguf_weights.as_log()
+        log.info("memory", **fields, weights=self._weights_kind(),
                  kv="pages resident as blocks are first written")
+
+    def _weights_kind(self) -> str:
+        """What the weights are held as, in words (the ``memory`` line, ``/admin/stats``)."""
+        paths = gguf_linear.linear_paths(self.model) if self.model is not None else None
+        if self.quantization != "gguf" or not paths:
+            return str(self.dtype).removeprefix("torch.")
+        form = ("int8 panels (the blocks repacked)" if paths[0]["path"] == "int8"
+                else "the file's blocks, mapped in place")
+        return f"GGUF: {form}; norms and de-quantized fallbacks in " \
+               f"{str(self.dtype).removeprefix('torch.')}"
+
+    def weights_resident(self) -> dict | None:
+        """``/admin/stats``' account of the weights: what they are held as and their bytes
+        (quantized, float, the file's tensors), None for a model not read from a GGUF file."""
+        if self.gguf_weights is None:
+            return None
+        w = self.gguf_weights
+        return {"kind": self._weights_kind(), "quantized_bytes": w.quantized,
+                "float_bytes": w.float, "file_tensor_bytes": w.file_tensor_bytes,
+                "dequantized_tensors": len(w.dequantized),
+                "dequantized_types": sorted(set(w.dequantized.values()))}
 
     def _size_kv_cache(self, model_bytes: int) -> None:
         """As many blocks as the budget holds (on CUDA, after profiling the largest step), then
@@ -226,6 +276,7 @@ class ModelRunner:
             attention_backend=self.attn_backend.name,
             quantization=self.quantization or "none",
             cpu_linear_paths=gguf_linear.linear_paths(self.model),
+            weights_resident=self.weights_resident(),
             source=str(resolved.gguf_file or resolved.path),
             kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
             + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),

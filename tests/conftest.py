@@ -47,8 +47,9 @@ def no_orphan_processes():
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The embedded SmolLM2-135M-Instruct, converted once and cached (as the server does)."""
-    return loader.resolve_model(None).path
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder: transformers' de-quantized
+    copy of the GGUF (cached), the oracle and a float model to serve."""
+    return loader.convert_gguf(loader.embedded_gguf_path())
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +79,17 @@ def tiny_gguf_path(tmp_path_factory, tiny_model_dir) -> Path:
     out = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf"
     return write_tiny_gguf(tiny_model_dir, loader.embedded_gguf_path(), out,
                            loader.load_config(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def mixed_gguf_path(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny Llama with mixed types inside fused modules and an F16 down_proj
+    (``gguf_tiny.MIXED``), its tied embedding Q8_0."""
+    from tests.gguf_tiny import MIXED, write_tiny_gguf
+
+    out = tmp_path_factory.mktemp("mixed-gguf") / "tiny-mixed.gguf"
+    return write_tiny_gguf(tiny_model_dir, loader.embedded_gguf_path(), out,
+                           loader.load_config(tiny_model_dir), MIXED)
 
 
 @lru_cache(maxsize=4)

@@ -43,8 +43,16 @@ def _copy_tokenizer(src: Path, writer: GGUFWriter) -> None:
         writer.add_key_value(field.name, field.contents(), vtype, sub)
 
 
-def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config) -> Path:
-    """``model_dir``'s float32 safetensors as ``out`` (a .gguf file)."""
+# A ``_M``-like mix: q/k of one type and v of another in one fused module, gate and up
+# different, down_proj F16 (no kernel: de-quantized for that tensor only).
+MIXED = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1,
+         "ffn_gate": Q.Q4_1, "ffn_up": Q.Q8_0, "ffn_down": Q.F16}
+
+
+def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
+                    types: dict | None = None) -> Path:
+    """``model_dir``'s float32 safetensors as ``out`` (a .gguf file); ``types``: GGUF short
+    name -> block type, overriding ``_LAYER``'s (e.g. ``MIXED``)."""
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     w = GGUFWriter(str(out), "llama")
@@ -64,6 +72,8 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config) ->
         t = np.ascontiguousarray(t, dtype=np.float32)
         if qtype is None:
             w.add_tensor(name, t)
+        elif qtype == Q.F16:
+            w.add_tensor(name, t.astype(np.float16))
         else:
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 
@@ -71,6 +81,7 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config) ->
     add("output_norm.weight", state["model.norm.weight"], None)
     for i in range(config.num_hidden_layers):
         for suffix, (short, qtype) in _LAYER.items():
+            qtype = (types or {}).get(short, qtype)
             t = state[f"model.layers.{i}.{suffix}"]
             if short in ("attn_q", "attn_k"):
                 t = _permute(t, heads if short == "attn_q" else kv_heads)

@@ -164,9 +164,9 @@ def cached_rank_blocks(f, qtypes: dict[str, int], config: PretrainedConfig, layo
 
 
 def shard_blocks(blocks: dict, config: PretrainedConfig, layout: RankLayout) -> dict:
-    """``gguf_linear.read_blocks``'s ``{name: (qtype, [out, row_bytes] uint8)}``, already in
+    """``gguf_ranks.read_blocks``'s ``{name: (qtype, [out, row_bytes] uint8)}``, already in
     memory, cut to this rank's share (``rank_blocks``). The loader reads only the share from
-    the file instead (``gguf_linear.load_blocks`` with a layout); this is its reference.
+    the file instead (``gguf_ranks.load_blocks`` with a layout); this is its reference.
 
     Raises:
         ValueError: as ``check_gguf_split``.

@@ -1,73 +1,140 @@
-"""Keeping the embedded GGUF's quantized blocks: every swapped layer holds exactly the weights
-transformers de-quantizes from the file (q/k rows un-interleaved, q/k/v and gate/up stacked in
-order), small batches read the blocks and large bfloat16 ones the dense copy, and
-``--quantization`` resolves and refuses as documented."""
+"""A GGUF file read in place (``gpu/gguf_load.py``): every layer holds exactly the weights
+transformers de-quantizes from the file (q/k un-interleaved, parts in order), mixed types
+inside one fused module each run their own kernel, the quantized embedding looks up
+de-quantized rows, a tied ``lm_head`` shares its tensor, weights stay within 1.1x the file's
+tensor bytes, nothing but the small artifacts is written to the cache, and ``--quantization``
+resolves and refuses as documented."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGUFReader, quants
 
-from pagedserve.gpu import gguf_linear, loader
+from pagedserve.gpu import gguf_file, gguf_linear, gguf_load, linear_bands, loader, memory
 from pagedserve.gpu.attention import get_attention_backend
 from pagedserve.gpu.dtype_choice import pick_quantization
-from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.kernels import gguf_ops
 
 CPU = torch.device("cpu")
+EXACT = linear_bands.exact_plan()
+INT8 = linear_bands.LinearPlan("int8", ((linear_bands.ALL, "int8"),))
 
 
-def _float_model(path, dtype=torch.float32) -> LlamaForCausalLM:
-    config = loader.load_config(path)
-    model = LlamaForCausalLM(config, get_attention_backend(CPU), 64)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    loader.load_weights(model, path)
-    return model.to(dtype)
+def _load(path, plan, dtype=torch.float32):
+    config = loader.load_config(loader.resolve_model(str(path)).path)
+    backend = get_attention_backend(CPU, dtype)
+    return gguf_load.load_gguf_model(path, config, backend, 64,
+                                     get_layer_ops(backend.name, dtype), CPU, dtype, plan)
 
 
-@pytest.fixture(scope="module")
-def quantized(default_model_dir):
-    model = _float_model(default_model_dir)
-    dense = {n: m.weight.detach().clone() for n, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear)}
-    swapped = gguf_linear.quantize_model(model, loader.embedded_gguf_path(),
-                                         loader.load_config(default_model_dir))
-    return model, dense, swapped
+def _hf_state(path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                              dtype=torch.float32)
+    return hf.state_dict()
 
 
-def test_every_linear_holds_the_files_weights_exactly(quantized):
-    model, dense, swapped = quantized
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, gguf_linear.GGUFLinear)}
-    assert swapped == len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer; lm_head
-    assert layers["lm_head"].qtype == 8  # the tied token_embd is Q8_0 in this file
-    assert layers["model.layers.0.self_attn.qkv_proj"].qtype == 3  # Q4_1
-    for name, layer in layers.items():
-        values = gguf_ops.gguf_dequantize(layer.qweight, layer.qtype, layer.in_features)
-        assert torch.equal(values, dense[name]), name
-    # The embedding lookup keeps its de-quantized table.
-    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+def _dense(layer: gguf_linear.GGUFLinear) -> torch.Tensor:
+    """The layer's weights, de-quantized, in the model's row order (through its forward)."""
+    if isinstance(layer, torch.nn.Linear):
+        return layer.weight
+    return layer(torch.eye(layer.in_features)).T - (0 if layer.bias is None else
+                                                    layer.bias[:, None])
 
 
-def test_small_batches_read_blocks_large_bfloat16_ones_the_dense_copy(quantized):
-    model, _, _ = quantized
-    f32 = model.model.layers[3].mlp.down_proj
-    assert f32.max_rows > 10**6  # float32: the kernel at every size
-    bf16 = gguf_linear.GGUFLinear(torch.nn.Linear(f32.in_features, f32.out_features,
-                                                  bias=False).bfloat16(), f32.qweight, f32.qtype)
-    bf16.dense.weight.data.copy_(gguf_ops.gguf_dequantize(f32.qweight, f32.qtype,
-                                                         f32.in_features))
-    assert bf16.max_rows == 4
-    for rows in (1, 4, 5, 64):
-        x = torch.randn(rows, f32.in_features).bfloat16()
-        kernel = gguf_ops.gguf_linear(x, f32.qweight, f32.qtype)
-        want = kernel if rows <= 4 else bf16.dense(x)
-        assert torch.equal(bf16(x), want), rows
-        # Either way the same weights: float32 ones in the kernel, rounded to bfloat16 dense.
-        torch.testing.assert_close(bf16(x).float(), kernel.float(), rtol=0.05, atol=0.05)
+@pytest.mark.parametrize("plan", [EXACT, INT8], ids=["exact", "int8"])
+def test_every_layer_holds_the_files_weights(mixed_gguf_path, plan):
+    model, weights = _load(mixed_gguf_path, plan)
+    state = _hf_state(mixed_gguf_path)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    # q, k Q4_0 (one int8 panel set when stacked), v Q8_0: a kernel each.
+    want = ["exact"] * 3 if plan is EXACT else ["int8", "int8"]
+    assert [p.path for p in qkv.parts] == want
+    assert {p.qtype for p in qkv.parts} == {2, 8}
+    down = model.model.layers[0].mlp.down_proj  # F16: de-quantized for that tensor only
+    assert isinstance(down, torch.nn.Linear) and down.weight.dtype == torch.float32
+    assert weights.dequantized == {f"blk.{i}.ffn_down.weight": "F16" for i in range(2)}
+    if plan is EXACT:  # file rows, kept in the file's (interleaved) order: no copy
+        assert qkv.parts[0].interleaved_heads == 4 and qkv.parts[1].interleaved_heads == 2
+        for i in range(2):
+            layer = model.model.layers[i]
+            for name, module in (("self_attn.qkv_proj", layer.self_attn.qkv_proj),
+                                 ("mlp.gate_up_proj", layer.mlp.gate_up_proj),
+                                 ("self_attn.o_proj", layer.self_attn.o_proj),
+                                 ("mlp.down_proj", layer.mlp.down_proj)):
+                prefix = f"model.layers.{i}.{name.split('.')[0]}."
+                parts = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                         "mlp.gate_up_proj": ["gate_proj", "up_proj"]}.get(
+                    name, [name.split(".")[1]])
+                hf = torch.cat([state[f"{prefix}{p}.weight"] for p in parts])
+                torch.testing.assert_close(_dense(module), hf, rtol=0, atol=1e-5,
+                                           msg=name)
+    # tied lm_head and embedding: one tensor
+    assert model.lm_head.parts[0].weight is model.model.embed_tokens.part.weight
 
 
-def test_quantization_flag_resolution(default_model_dir, tiny_model_dir):
+def test_the_embedding_looks_up_dequantized_rows(mixed_gguf_path):
+    reader = GGUFReader(str(mixed_gguf_path))
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(quants.dequantize(emb.data, emb.tensor_type))
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 300]])
+    for plan in (EXACT, INT8):
+        model, _ = _load(mixed_gguf_path, plan)
+        got = model.model.embed_tokens(ids)
+        assert got.shape == (2, 3, 64) and torch.equal(got, table[ids]), plan.path
+        with pytest.raises(IndexError):
+            model.model.embed_tokens(torch.tensor([49152]))
+
+
+def test_resident_weights_within_1_1x_the_files_tensors(mixed_gguf_path, tiny_gguf_path):
+    for path in (mixed_gguf_path, tiny_gguf_path):
+        for plan in (EXACT, INT8):
+            model, w = _load(path, plan)
+            total = memory.weights_bytes(model)
+            assert w.quantized + w.float == total
+            assert total <= 1.1 * w.file_tensor_bytes, (path.name, plan.path, total)
+    # F16 down_proj de-quantized to float32: twice its bytes, the only float weights but norms
+    # and the RoPE tables.
+
+
+def test_only_small_artifacts_are_cached(mixed_gguf_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    resolved = loader.resolve_model(str(mixed_gguf_path))
+    _load(mixed_gguf_path, EXACT)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_size < 4 * 2**20 for p in files)
+    assert not [p for p in files if p.suffix == ".safetensors"]
+    assert (resolved.path / "config.json").exists()
+    assert (resolved.path / "generation_config.json").exists()
+
+
+def test_embedded_model_keeps_its_eos_ids_and_template():
+    resolved = loader.resolve_model(None)
+    from transformers import GenerationConfig
+
+    tok = loader.load_tokenizer(resolved.path)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    eos = GenerationConfig.from_pretrained(resolved.path).eos_token_id
+    assert eos == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_mixed_parts_run_their_own_kernels(mixed_gguf_path):
+    model, _ = _load(mixed_gguf_path, EXACT)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    x = torch.randn(5, qkv.in_features)
+    f = gguf_file.open_gguf(mixed_gguf_path)
+    q = gguf_file.rows_view(f.tensors["blk.1.attn_q.weight"])
+    v = gguf_file.rows_view(f.tensors["blk.1.attn_v.weight"])
+    want_v = gguf_ops.gguf_linear(x, v.contiguous(), 8)
+    assert torch.equal(qkv(x)[:, 96:], want_v)
+    want_q = gguf_ops.gguf_linear(x, gguf_linear.unpermute(q, 4), 2)
+    assert torch.equal(qkv(x)[:, :64], want_q)
+
+
+def test_quantization_flag_resolution(tiny_model_dir):
     gguf = loader.resolve_model(None)
     assert gguf.gguf_file == loader.embedded_gguf_path()
     assert pick_quantization(None, gguf, CPU) == "gguf"
@@ -85,14 +152,3 @@ def test_quantization_flag_resolution(default_model_dir, tiny_model_dir):
         pick_quantization("gguf", gguf, CPU, torch.float16)
     with pytest.raises(ValueError, match="unknown quantization"):
         pick_quantization("awq", gguf, CPU)
-
-
-def test_blocks_are_cached_beside_the_converted_model(default_model_dir, tmp_path):
-    config = loader.load_config(default_model_dir)
-    gguf = loader.embedded_gguf_path()
-    fresh, kept = gguf_linear.load_blocks(gguf, config, tmp_path)
-    assert (tmp_path / gguf_linear.BLOCKS_CACHE).exists() and kept == []
-    cached, kept_again = gguf_linear.load_blocks(gguf, config, tmp_path)
-    assert kept_again == [] and cached.keys() == fresh.keys() and len(cached) == 121
-    for name, (qtype, rows) in fresh.items():
-        assert cached[name][0] == qtype and torch.equal(cached[name][1], rows), name

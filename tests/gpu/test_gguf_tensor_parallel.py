@@ -15,6 +15,7 @@ import torch
 from pagedserve.gpu import gguf_linear, loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
+from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel.comm import ParallelContext, free_port
 from pagedserve.gpu.parallel.gguf_shard import CopiedBytes, check_gguf_split, shard_blocks
 from pagedserve.gpu.parallel.layout import rank_layout
@@ -66,7 +67,7 @@ def test_rank_blocks_are_the_slices_of_the_files_weights(tiny_gguf_path):
     """De-quantized, rank r's blocks are rows (q/k/v, gate/up, vocabulary) or input columns
     (o_proj, down_proj) of the whole layer's: the same weights, none cut or shifted."""
     config = loader.load_config(loader.resolve_model(str(tiny_gguf_path)).path)
-    blocks, kept = gguf_linear.read_blocks(tiny_gguf_path, config)
+    blocks, kept = gguf_ranks.read_blocks(tiny_gguf_path, config)
     assert kept == [] and len(blocks) == 2 * 4 + 1
     full = {n: _values(q, w) for n, (q, w) in blocks.items()}
     hs = 16
@@ -110,15 +111,15 @@ def test_a_rank_copies_only_its_share_from_the_file_and_from_the_cache(tiny_gguf
     equal the in-memory split of the whole set (``shard_blocks``)."""
     config = loader.load_config(loader.resolve_model(str(tiny_gguf_path)).path)
     everything = CopiedBytes()
-    blocks, _ = gguf_linear.read_blocks(tiny_gguf_path, config, copied=everything)
+    blocks, _ = gguf_ranks.read_blocks(tiny_gguf_path, config, copied=everything)
     assert everything.total == sum(w.numel() for _, w in blocks.values())
-    gguf_linear.load_blocks(tiny_gguf_path, config, tmp_path)  # writes the cache (tp=1)
-    assert (tmp_path / gguf_linear.BLOCKS_CACHE).exists()
+    gguf_ranks.load_blocks(tiny_gguf_path, config, tmp_path)  # writes the cache (tp=1)
+    assert (tmp_path / gguf_ranks.BLOCKS_CACHE).exists()
     for cache_dir in (None, tmp_path):
         for tp, pp, rank in ((2, 1, 0), (2, 1, 1), (1, 2, 1)):
             lay = rank_layout(config, tp, pp, rank)
             copied = CopiedBytes()
-            mine, kept = gguf_linear.load_blocks(tiny_gguf_path, config, cache_dir, lay,
+            mine, kept = gguf_ranks.load_blocks(tiny_gguf_path, config, cache_dir, lay,
                                                  copied)
             want = shard_blocks(blocks, config, lay)
             assert kept == [] and mine.keys() == want.keys(), (cache_dir, lay)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.gpu import gguf_linear, kv_cache, loader, memory
+from pagedserve.gpu import kv_cache, loader, memory
 from pagedserve.gpu.attention import get_attention_backend
 from pagedserve.gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
-from pagedserve.gpu.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
 
@@ -43,23 +42,27 @@ def test_the_cpu_kv_pool_is_lazy_and_sized_from_vllms_variable(tiny_model_dir, m
         kv_cache.num_blocks_for(config, CacheConfig(), torch.float32, CPU, 0)
 
 
-def test_a_float32_gguf_model_keeps_one_copy_of_its_linears(default_model_dir):
-    config = loader.load_config(default_model_dir)
-    model = LlamaForCausalLM(config, get_attention_backend(CPU), 64)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    loader.load_weights(model, default_model_dir)
-    dense_bytes = memory.weights_bytes(model)
-    gguf_linear.quantize_model(model, loader.embedded_gguf_path(), config)
-    layers = [m for m in model.modules() if isinstance(m, gguf_linear.GGUFLinear)]
-    assert layers and all(m.dense is None for m in layers)
-    blocks = sum(m.qweight.nbytes for m in layers)
-    embedding = model.model.embed_tokens.weight.nbytes
-    # What is left: the blocks, the embedding table and the norms; no de-quantized linear.
-    assert memory.weights_bytes(model) < blocks + embedding + 2**20 < dense_bytes // 2
-    down = model.model.layers[0].mlp.down_proj
-    y = down(torch.randn(3, down.in_features))
-    assert y.shape == (3, down.out_features) and torch.isfinite(y).all()
+def test_a_gguf_model_keeps_one_copy_of_its_weights():
+    """Read in place, the embedded model's weights are the file's tensor bytes (within 1.1x:
+    norms, RoPE tables), in either mode and either dtype."""
+    from pagedserve.gpu import gguf_load, linear_bands
+    from pagedserve.gpu.layer_ops import get_layer_ops
+
+    resolved = loader.resolve_model(None)
+    config = loader.load_config(resolved.path)
+    for dtype in (torch.float32, torch.bfloat16):
+        backend = get_attention_backend(CPU, dtype)
+        for path in ("exact", "int8"):
+            plan = linear_bands.LinearPlan(path, ((linear_bands.ALL, path),))
+            model, w = gguf_load.load_gguf_model(resolved.gguf_file, config, backend, 64,
+                                                 get_layer_ops(backend.name, dtype), CPU,
+                                                 dtype, plan)
+            assert memory.weights_bytes(model) == w.quantized + w.float
+            assert w.quantized + w.float <= 1.1 * w.file_tensor_bytes, (dtype, path)
+            assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+            down = model.model.layers[0].mlp.down_proj
+            y = down(torch.randn(3, down.in_features, dtype=dtype))
+            assert y.shape == (3, down.out_features) and torch.isfinite(y).all()
 
 
 def test_the_breakdown_adds_up():

@@ -1,0 +1,33 @@
+"""The tiny GGUF with mixed types inside fused modules, an F16 layer and a quantized tied
+embedding, served from the file in place: greedy output in the exact mode equals
+transformers' own GGUF loading (its de-quantized float32 model), and ``/admin/stats`` says
+what is resident."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import chat_prompt_ids, serve, stats, stream_chat
+
+PROMPT = "Name three colours of the rainbow."
+
+
+async def test_mixed_gguf_greedy_parity_with_transformers(mixed_gguf_path, default_model_dir):
+    async with serve(mixed_gguf_path, quantization="gguf", max_model_len=144,
+                     dtype="float32") as c:
+        model = (await stats(c))["config"]["model"]
+        _, tokens, chunks = await stream_chat(c, PROMPT, max_tokens=12, ignore_eos=True)
+    resident = model["weights_resident"]
+    assert resident["dequantized_types"] == ["F16"] and resident["dequantized_tensors"] == 2
+    assert resident["quantized_bytes"] + resident["float_bytes"] \
+        <= 1.1 * resident["file_tensor_bytes"]
+    assert model["cpu_linear_paths"][0]["path"] == "exact"
+    ids = chat_prompt_ids(default_model_dir, PROMPT)  # the same SmolLM2 tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(mixed_gguf_path.parent,
+                                              gguf_file=mixed_gguf_path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert tokens == out[0, len(ids):].tolist()
