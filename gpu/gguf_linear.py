@@ -184,6 +184,18 @@ def linear_paths(model: nn.Module) -> list[dict] | None:
              **band} for band in layer.plan.describe()]
 
 
+def weights_kind(model: nn.Module, dtype: torch.dtype) -> str:
+    """What the model's weights are held as, in words (the ``memory`` line, ``/admin/stats``):
+    the path of its GGUF layers (``linear_paths``), else ``dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    paths = linear_paths(model)
+    if not paths:
+        return name
+    form = ("int8 panels (the blocks repacked)" if paths[0]["path"] == "int8"
+            else "the file's blocks, mapped in place")
+    return f"GGUF: {form}; norms and de-quantized fallbacks in {name}"
+
+
 def gguf_parts(model: nn.Module) -> list[LinearPart]:
     """Every part of the model's GGUF layers and embedding, each tensor once (a tied
     ``lm_head`` and the embedding share one)."""

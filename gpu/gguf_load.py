@@ -18,7 +18,6 @@ With no plan (``--quantization none``) every tensor is de-quantized into plain `
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,13 +57,20 @@ class GGUFWeights:
     float: int = 0
     file_tensor_bytes: int = 0
     dequantized: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
 
     def as_log(self) -> dict:
         mib = 2**20
         return {"weights_quantized_mib": round(self.quantized / mib, 1),
                 "weights_float_mib": round(self.float / mib, 1),
                 "file_tensors_mib": round(self.file_tensor_bytes / mib, 1)}
+
+    def stats(self, kind: str) -> dict:
+        """``/admin/stats``' ``weights_resident``: ``kind`` (``gguf_linear.weights_kind``) and
+        the bytes."""
+        return {"kind": kind, "quantized_bytes": self.quantized, "float_bytes": self.float,
+                "file_tensor_bytes": self.file_tensor_bytes,
+                "dequantized_tensors": len(self.dequantized),
+                "dequantized_types": sorted(set(self.dequantized.values()))}
 
 
 class _Builder:
@@ -187,7 +193,6 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
         ModelLoadError: a tensor is missing or has another shape than the config says.
         ValueError: a tensor gguf-py cannot de-quantize where no kernel reads it.
     """
-    start = time.perf_counter()
     f = gf.open_gguf(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, ops)
@@ -220,7 +225,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
     if device.type != "cpu":
         model = model.to(device)
     f.release_pages()
-    weights = _weights(model, f, b.dequantized, time.perf_counter() - start)
+    weights = _weights(model, f, b.dequantized)
     if b.dequantized:
         log.info("gguf_tensors_dequantized", tensors=len(b.dequantized),
                  types=sorted(set(b.dequantized.values())), names=sorted(b.dequantized),
@@ -228,8 +233,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
     return model, weights
 
 
-def _weights(model: nn.Module, f: gf.GGUFFile, dequantized: dict[str, str],
-             seconds: float) -> GGUFWeights:
+def _weights(model: nn.Module, f: gf.GGUFFile, dequantized: dict[str, str]) -> GGUFWeights:
     seen: set[int] = set()
     quantized = floats = 0
     for part in gguf_parts(model):
@@ -242,4 +246,4 @@ def _weights(model: nn.Module, f: gf.GGUFFile, dequantized: dict[str, str],
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             floats += t.nbytes
-    return GGUFWeights(quantized, floats, f.tensor_bytes, dict(dequantized), seconds)
+    return GGUFWeights(quantized, floats, f.tensor_bytes, dict(dequantized))

@@ -35,14 +35,13 @@ from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
-from pagedserve.kernels import cpu_ops
 from pagedserve.gpu.prev_sampled import PrevSampled
 from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
 from pagedserve.gpu.thread_governor import ThreadGovernor
-from pagedserve.kernels import kv_quant
+from pagedserve.kernels import cpu_ops
 
 log = structlog.get_logger(__name__)
 
@@ -70,18 +69,6 @@ class ModelInfo:
     parallel_layout: list[dict] | None = None
     cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
     weights_resident: dict | None = None  # a GGUF's weights: form and bytes (``ModelRunner``)
-
-
-def check_kv_cache_dtype(name: str, dtype: torch.dtype, backend: AttentionBackend) -> None:
-    """Refuse an 8-bit ``--kv-cache-dtype`` the attention backend cannot read.
-
-    Raises:
-        ValueError: says which backends read it.
-    """
-    if kv_quant.is_quantized(dtype) and not backend.reads_8bit_kv:
-        raise ValueError(f"--kv-cache-dtype {name}: the {backend.name} attention backend cannot "
-                         "read 8-bit KV blocks; use --kv-cache-dtype auto, or the cpu or torch "
-                         "backend (PAGEDSERVE_ATTENTION_BACKEND)")
 
 
 class ModelRunner:
@@ -169,7 +156,8 @@ class ModelRunner:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = mc.max_model_len or model_max
         self.attn_backend = get_attention_backend(self.device, self.dtype)
-        check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype, self.attn_backend)
+        kv_cache.check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype,
+                                      self.attn_backend)
         ops = get_layer_ops(self.attn_backend.name, self.dtype)
         # Across ranks the blocks are kept only when asked for (unset: de-quantized, as before).
         layout = None if self.parallel is None else self.parallel.layout
@@ -218,29 +206,15 @@ class ModelRunner:
         fields = memory.resident_breakdown(self.model, self.kv_caches).as_log()
         if self.gguf_weights is not None:
             fields |= self.gguf_weights.as_log()
-        log.info("memory", **fields, weights=self._weights_kind(),
+        log.info("memory", **fields, weights=gguf_linear.weights_kind(self.model, self.dtype),
                  kv="pages resident as blocks are first written")
 
-    def _weights_kind(self) -> str:
-        """What the weights are held as, in words (the ``memory`` line, ``/admin/stats``)."""
-        paths = gguf_linear.linear_paths(self.model) if self.model is not None else None
-        if self.quantization != "gguf" or not paths:
-            return str(self.dtype).removeprefix("torch.")
-        form = ("int8 panels (the blocks repacked)" if paths[0]["path"] == "int8"
-                else "the file's blocks, mapped in place")
-        return f"GGUF: {form}; norms and de-quantized fallbacks in " \
-               f"{str(self.dtype).removeprefix('torch.')}"
-
     def weights_resident(self) -> dict | None:
-        """``/admin/stats``' account of the weights: what they are held as and their bytes
-        (quantized, float, the file's tensors), None for a model not read from a GGUF file."""
+        """``/admin/stats``' account of the weights (``gguf_load.GGUFWeights.stats``), None for
+        a model not read from a GGUF file."""
         if self.gguf_weights is None:
             return None
-        w = self.gguf_weights
-        return {"kind": self._weights_kind(), "quantized_bytes": w.quantized,
-                "float_bytes": w.float, "file_tensor_bytes": w.file_tensor_bytes,
-                "dequantized_tensors": len(w.dequantized),
-                "dequantized_types": sorted(set(w.dequantized.values()))}
+        return self.gguf_weights.stats(gguf_linear.weights_kind(self.model, self.dtype))
 
     def _size_kv_cache(self, model_bytes: int) -> None:
         """As many blocks as the budget holds (on CUDA, after profiling the largest step), then

@@ -11,7 +11,6 @@ from pagedserve.gpu import kv_cache
 from pagedserve.gpu.attention import TritonAttentionBackend
 from pagedserve.gpu.config import CacheConfig
 from pagedserve.gpu.loader import load_config
-from pagedserve.gpu.model_runner import check_kv_cache_dtype
 from pagedserve.server.cli import build_parser
 from tests.conftest import chat, serve
 
@@ -78,5 +77,5 @@ def test_a_backend_that_cannot_read_8bit_blocks_is_refused(monkeypatch):
     pytest.importorskip("triton")
     backend = TritonAttentionBackend(torch.device("cpu"))
     with pytest.raises(ValueError, match="triton attention backend cannot read 8-bit"):
-        check_kv_cache_dtype("int8", torch.int8, backend)
-    check_kv_cache_dtype("auto", torch.float32, backend)  # fine
+        kv_cache.check_kv_cache_dtype("int8", torch.int8, backend)
+    kv_cache.check_kv_cache_dtype("auto", torch.float32, backend)  # fine
