@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.gpu import linear_bands
-from pagedserve.kernels import cpu_ops, gguf_ops, gguf_q8_rows
+from pagedserve.kernels import cpu_ops, gguf_ops
 
 PART_PATHS = ("exact", "int8", "float")
 
@@ -44,7 +44,7 @@ class LinearPart:
     """One GGUF tensor's share of a module's output rows.
 
     ``weight``: by ``path``, uint8 ``[out, row_bytes]`` file rows (``exact``), uint8 panels
-    ``[ceil(out / 16) * 16, row_bytes]`` (``int8``) or ``[out, in]`` in the model dtype
+    ``[ceil(out / 16) * 16, packed row_bytes]`` (``int8``) or ``[out, in]`` in the model dtype
     (``float``). ``qtype``: its GGML type id (``float``: the file's, for the log).
     ``interleaved_heads``: > 0 when the rows are in llama.cpp's q/k interleave of that many
     heads (the file's order, kept to avoid a copy): the output is un-interleaved instead.
@@ -142,7 +142,7 @@ class GGUFEmbedding(nn.Module):
 
     Args:
         part: ``exact`` (file rows) or ``int8`` (panels, shared with a tied ``lm_head``; read
-            back through ``gguf_q8_rows``) over ``[vocab, row_bytes]``.
+            back by ``gguf_ops.gguf_q8_dequantize_rows``) over ``[vocab, row_bytes]``.
         embedding_dim: the hidden size.
         dtype: of the output.
 
@@ -163,10 +163,11 @@ class GGUFEmbedding(nn.Module):
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id outside the vocabulary of {self.num_embeddings}")
         if self.part.path == "int8":
-            rows = gguf_q8_rows.unpack_rows(self.part.weight, self.part.qtype, flat)
+            values = gguf_ops.gguf_q8_dequantize_rows(self.part.weight, self.part.qtype,
+                                                      self.embedding_dim, flat)
         else:
             rows = self.part.weight.index_select(0, flat)
-        values = gguf_ops.gguf_dequantize(rows, self.part.qtype, self.embedding_dim)
+            values = gguf_ops.gguf_dequantize(rows, self.part.qtype, self.embedding_dim)
         return values.to(self.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -39,7 +39,7 @@ from pagedserve.gpu.gguf_linear import (
 from pagedserve.gpu.linear_bands import LinearPlan
 from pagedserve.gpu.loader import ModelLoadError
 from pagedserve.gpu.models.llama import LlamaForCausalLM
-from pagedserve.kernels import gguf_ops, gguf_q8_rows
+from pagedserve.kernels import gguf_ops
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +153,7 @@ class _Builder:
         rows = gf.rows_view(emb)
         head = self.linear(["output"], None) if not tied else None
         part = LinearPart("exact", rows, qtype, rows.shape[0])
-        if tied and self.plan.path == "int8" and gguf_q8_rows.supported(qtype):
+        if tied and self.plan.path == "int8":
             part = quantized_part(rows, qtype, k, "int8")  # panels: read back for lookups
         embed = GGUFEmbedding(part, k, self.dtype)
         if tied:  # the same part: one copy of the table

@@ -23,7 +23,7 @@ SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "decode_attention.cpp",
 # its entry points are named *_vnni and called only when the CPU reports the flag.
 VNNI_SOURCE = CSRC / "gguf_q8_gemm.cpp"
 # Part of the build's cache key.
-HEADERS = [CSRC / "convert.h", CSRC / "simd.h", CSRC / "kv_quant.h"]
+HEADERS = [CSRC / "convert.h", CSRC / "simd.h", CSRC / "kv_quant.h", CSRC / "gguf_blocks.h"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 
@@ -93,6 +93,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.cpu_ops_has_prefill.argtypes, lib.cpu_ops_has_prefill.restype = [], ctypes.c_int
     lib.gguf_dequantize.argtypes, lib.gguf_dequantize.restype = [ptr] * 2 + [i64] * 3, None
     lib.gguf_q8_repack.argtypes, lib.gguf_q8_repack.restype = [ptr] * 2 + [i64] * 3, None
+    lib.gguf_q8_dequantize_rows.argtypes = [ptr, ptr, i64, ptr, i64, i64]
+    lib.gguf_q8_dequantize_rows.restype = None
     for variant in ("", "_vnni"):
         for suffix in ("f32", "bf16"):
             fn = getattr(lib, f"gguf_q8_linear_{suffix}{variant}", None)

@@ -1,8 +1,10 @@
 """Products with a GGUF file's quantized blocks (``kernels/csrc/gguf_gemm.cpp``, built into the
-``cpu_ops`` library): ``gguf_linear`` multiplies Q4_0/Q4_1/Q8_0 rows in place, ``gguf_dequantize``
-expands them (tests and checks). ``gguf_q8_linear`` is the int8-activation mode
-(``csrc/gguf_q8_gemm.cpp``, reference ``kernels/q8_reference.py``). Used by
-``gpu/gguf_linear.py``.
+``cpu_ops`` library): ``gguf_linear`` multiplies the rows of every type in ``GGUF_TYPES`` in
+place, ``gguf_dequantize`` expands them (tests and checks). ``gguf_q8_linear`` is the
+int8-activation mode (``csrc/gguf_q8_gemm.cpp``, reference ``kernels/q8_reference.py``) over
+the rows repacked into panels (``gguf_q8_repack``; ``gguf_q8_dequantize_rows`` reads rows back,
+for an embedding that shares its table with a tied ``lm_head``). The block formats and the
+panel layout are ``csrc/gguf_blocks.h``'s. Used by ``gpu/gguf_linear.py``.
 """
 
 from __future__ import annotations
@@ -12,29 +14,39 @@ import torch
 from pagedserve.kernels import cpu_ops
 from pagedserve.kernels.cpu_ops import _SUFFIX, _kernel, error, load
 
-# GGML type id -> (name, weights per block, bytes per block), as ggml-common.h lays them out:
-# the formats our kernels multiply in place. Legacy types have 32-weight blocks, K-quants
-# 256-weight super-blocks.
-GGUF_TYPES: dict[int, tuple[str, int, int]] = {
-    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+# GGML type id -> (name, weights per block, bytes per block, bytes per block in the int8
+# kernel's panels), as ggml-common.h lays them out: the formats our kernels multiply in place.
+# Legacy types have 32-weight blocks, K-quants 256-weight super-blocks; Q4_K / Q5_K panels keep
+# their 6-bit scales decoded to bytes (4 bytes per block more, 2.8 %).
+GGUF_TYPES: dict[int, tuple[str, int, int, int]] = {
+    2: ("Q4_0", 32, 18, 18), 3: ("Q4_1", 32, 20, 20), 6: ("Q5_0", 32, 22, 22),
+    7: ("Q5_1", 32, 24, 24), 8: ("Q8_0", 32, 34, 34), 12: ("Q4_K", 256, 144, 148),
+    13: ("Q5_K", 256, 176, 180), 14: ("Q6_K", 256, 210, 210),
 }
-GGUF_BLOCK_BYTES = {t: bb for t, (_, _, bb) in GGUF_TYPES.items()}  # bytes per block
-GGUF_BLOCK_WEIGHTS = {t: bw for t, (_, bw, _) in GGUF_TYPES.items()}  # weights per block
+GGUF_BLOCK_BYTES = {t: v[2] for t, v in GGUF_TYPES.items()}  # bytes per block
+GGUF_BLOCK_WEIGHTS = {t: v[1] for t, v in GGUF_TYPES.items()}  # weights per block
+GGUF_PACKED_BYTES = {t: v[3] for t, v in GGUF_TYPES.items()}  # bytes per block in panels
 GGUF_BLOCK_SIZE = 32  # the smallest block: tensor-parallel splits are multiples of it
 
 
-def row_bytes(qtype: int, in_features: int) -> int:
-    """Bytes of one row of ``in_features`` weights of GGML type ``qtype``."""
-    return in_features // GGUF_BLOCK_WEIGHTS[qtype] * GGUF_BLOCK_BYTES[qtype]
+def row_bytes(qtype: int, in_features: int, packed: bool = False) -> int:
+    """Bytes of one row of ``in_features`` weights of GGML type ``qtype`` (``packed``: in the
+    int8 kernel's panels)."""
+    per_block = (GGUF_PACKED_BYTES if packed else GGUF_BLOCK_BYTES)[qtype]
+    return in_features // GGUF_BLOCK_WEIGHTS[qtype] * per_block
 
 
-def _check_gguf(qweight: torch.Tensor, qtype: int, in_features: int) -> None:
+def _check_gguf(qweight: torch.Tensor, qtype: int, in_features: int,
+                packed: bool = False) -> None:
     if qtype not in GGUF_TYPES:
-        names = ", ".join(f"{n} ({t})" for t, (n, _, _) in GGUF_TYPES.items())
+        names = ", ".join(f"{v[0]} ({t})" for t, v in GGUF_TYPES.items())
         raise ValueError(f"GGML type {qtype} has no kernel here; these do: {names}")
-    want = row_bytes(qtype, in_features)
-    if (in_features % GGUF_BLOCK_WEIGHTS[qtype] or qweight.dtype != torch.uint8
-            or qweight.dim() != 2 or qweight.shape[1] != want or not qweight.is_contiguous()):
+    if in_features % GGUF_BLOCK_WEIGHTS[qtype]:
+        raise ValueError(f"{in_features} inputs are not whole {GGUF_TYPES[qtype][0]} blocks "
+                         f"of {GGUF_BLOCK_WEIGHTS[qtype]}")
+    want = row_bytes(qtype, in_features, packed)
+    if (qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != want
+            or not qweight.is_contiguous()):
         raise ValueError(
             f"qweight must be contiguous uint8 [out, {want}] for {in_features} inputs "
             f"of type {qtype}, got {qweight.dtype} {tuple(qweight.shape)}"
@@ -46,10 +58,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     """``x @ W.T`` with ``W`` in GGUF's quantized blocks, never de-quantized in memory.
 
     Args:
-        x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
-        qweight: ``[N, K / 32 * block_bytes]`` uint8, contiguous: the tensor's rows as the GGUF
-            file stores them (``GGUF_BLOCK_BYTES``).
-        qtype: GGML type id: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0).
+        x: ``[..., K]`` float32 or bfloat16, K a multiple of the type's block
+            (``GGUF_BLOCK_WEIGHTS``: 32, or 256 for the K-quants).
+        qweight: ``[N, row_bytes(qtype, K)]`` uint8, contiguous: the tensor's rows as the GGUF
+            file stores them.
+        qtype: GGML type id, one of ``GGUF_TYPES``.
         generic: use the portable loops instead of the tier's vector ones (tests compare them).
 
     Returns:
@@ -123,16 +136,43 @@ def _q8_function(dtype: torch.dtype, variant: str | None):
 
 def gguf_q8_repack(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     """GGUF rows (as ``gguf_linear`` takes them) repacked for ``gguf_q8_linear``: panels of 16
-    rows with their codes interleaved 4 bytes at a time, the rows padded to a multiple of 16.
-    Returns uint8 ``[ceil(N / 16) * 16, row_bytes]``, the same bytes per row as the input."""
+    rows with their codes interleaved 4 bytes at a time, the rows padded to a multiple of 16
+    (``csrc/gguf_blocks.h``). Returns uint8 ``[ceil(N / 16) * 16, row_bytes(qtype, K,
+    packed=True)]``: the file's bytes per row (Q4_K / Q5_K: 2.8 % more, scales decoded)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"cpu kernels unavailable: {error()}")
     _check_gguf(qweight, qtype, in_features)
     n = qweight.shape[0]
     padded = -(-n // Q8_PANEL_ROWS) * Q8_PANEL_ROWS
-    out = torch.empty((padded, qweight.shape[1]), dtype=torch.uint8)
+    out = torch.empty((padded, row_bytes(qtype, in_features, packed=True)), dtype=torch.uint8)
     lib.gguf_q8_repack(qweight.data_ptr(), out.data_ptr(), n, in_features, qtype)
+    return out
+
+
+def gguf_q8_dequantize_rows(packed: torch.Tensor, qtype: int, in_features: int,
+                            index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (int64 ``[T]``) of the weights in ``gguf_q8_repack``'s panels as float32
+    ``[T, in_features]``, bit-equal to ``gguf_dequantize`` of the file's rows: an embedding
+    lookup that shares the table of a tied ``lm_head`` running the int8 kernel.
+
+    Raises:
+        ValueError: unsupported type, a ``packed`` of another shape.
+        IndexError: an index outside ``[0, rows)`` (``packed``'s padded rows count as inside:
+            the caller bounds ids by the real vocabulary).
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"cpu kernels unavailable: {error()}")
+    _check_gguf(packed, qtype, in_features, packed=True)
+    if packed.shape[0] % Q8_PANEL_ROWS:
+        raise ValueError(f"packed has {packed.shape[0]} rows, not a multiple of 16")
+    idx = index.reshape(-1).to(torch.int64).contiguous()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= packed.shape[0]):
+        raise IndexError(f"row index outside [0, {packed.shape[0]})")
+    out = torch.empty((idx.numel(), in_features), dtype=torch.float32)
+    lib.gguf_q8_dequantize_rows(packed.data_ptr(), idx.data_ptr(), idx.numel(), out.data_ptr(),
+                                in_features, qtype)
     return out
 
 
@@ -142,7 +182,7 @@ def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_featur
     (llama.cpp's arithmetic; ``q8_reference.gguf_q8_linear`` is the same in torch).
 
     Args:
-        x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
+        x: ``[..., K]`` float32 or bfloat16, K a multiple of the type's block.
         packed: ``gguf_q8_repack``'s panels of W (GGML type ``qtype``), ``out_features`` rows.
         variant: one of ``q8_variants()``; None = the fastest there (its last).
         out: ``[rows, N]`` contiguous in x's dtype to write into (tests poison it), else new.
@@ -156,7 +196,7 @@ def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_featur
     """
     fn = _q8_function(x.dtype, variant)
     k = x.shape[-1]
-    _check_gguf(packed, qtype, k)
+    _check_gguf(packed, qtype, k, packed=True)
     if packed.shape[0] != -(-out_features // Q8_PANEL_ROWS) * Q8_PANEL_ROWS:
         raise ValueError(f"packed has {packed.shape[0]} rows, not {out_features} padded to 16")
     rows = x.reshape(-1, k).contiguous()

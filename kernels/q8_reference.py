@@ -4,8 +4,11 @@
 Activations are quantized per block of 32 values as llama.cpp's Q8_0 (``ggml-quants.c``'s
 ``quantize_row_q8_0``), with a float32 scale: ``d = amax * float32(1/127)``,
 ``q = round_half_even(x / d)`` computed as ``x * (1 / d)``; each block's product with a weight
-block is an exact integer, scaled by ``dw * d`` (and, for Q4_1, plus ``mw * (d * sum(q))``).
-Integer sums are taken in float64, where they are exact (at most 32 * 127 * 128 per block).
+sub-block of 32 is an exact integer, scaled by ``dw * d`` (and, for types with a minimum, plus
+``mw * (d * sum(q))``). llama.cpp quantizes activations per 256 values (Q8_K) for the K-quants;
+we keep 32 for every type (finer, and one activation format for a layer's mixed-type parts).
+Integer sums are taken in float64, where they are exact (at most 32 * 127 * 128 * 32 per
+sub-block, Q6_K's scaled codes).
 """
 
 from __future__ import annotations
@@ -26,21 +29,70 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """``[..., 2]`` uint8 little-endian fp16 → ``[...]`` float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``[..., 16]`` bytes → ``[..., 32]``: the low nibbles, then the high ones."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.int32)
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 packed bytes ``[..., 12]`` → 6-bit scales and minimums ``[..., 8]``."""
+    s = s.to(torch.int32)
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc, mn
+
+
 def weight_codes(qweight: torch.Tensor, qtype: int, k: int):
-    """GGUF rows ``[N, K / 32 * block_bytes]`` uint8 as (integer codes ``[N, K / 32, 32]``
-    int32, scales ``[N, K / 32]`` float32, Q4_1 minimums or None): weight = d * code (+ m)."""
-    nb = k // QK
-    b = qweight.reshape(qweight.shape[0], nb, -1)
-    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    """GGUF rows ``[N, row_bytes]`` uint8 as (integer codes ``[N, K / 32, 32]`` int32, scales
+    ``[N, K / 32]`` float32, minimums ``[N, K / 32]`` float32 or None): weight = dw * code
+    (+ mw), per 32-weight sub-block, as ``csrc/gguf_blocks.h`` lists them (Q4_K / Q5_K:
+    dw = d * sc, mw = -(dmin * m); Q6_K: code = sc * (q - 32), dw = d). Written from
+    llama.cpp's ``ggml-common.h`` layouts, independently of the C++ decoder."""
+    n, nb = qweight.shape[0], k // QK
+    if qtype in (12, 13, 14):  # K-quants: 256-weight blocks of 8 sub-blocks
+        b = qweight.reshape(n, k // 256, -1)
+        if qtype == 14:  # Q6_K: ql[128] qh[64] scales int8[16] d
+            ql = b[..., 0:128].reshape(n, -1, 2, 1, 64).to(torch.int32)
+            ql = torch.cat([ql & 15, ql >> 4], dim=3).reshape(n, -1, 8, 32)
+            qh = b[..., 128:192].reshape(n, -1, 2, 1, 32).to(torch.int32)
+            qh = (qh >> torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 4, 1)) & 3
+            q = (ql | (qh.reshape(n, -1, 8, 32) << 4)) - 32
+            sc = b[..., 192:208].contiguous().view(torch.int8).to(torch.int32)
+            codes = q.reshape(n, -1, 16, 16) * sc[..., None]
+            dw = _f16(b[..., 208:210])[..., None].expand(-1, -1, 8)
+            return codes.reshape(n, nb, 32), dw.reshape(n, nb), None
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scale_min(b[..., 4:16])
+        qs = b[..., 48:176] if qtype == 13 else b[..., 16:144]
+        qs = qs.reshape(n, -1, 4, 1, 32).to(torch.int32)
+        codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1, 8, 32)
+        if qtype == 13:  # Q5_K: bit s of qh[l] is sub-block s's fifth bit
+            qh = b[..., 16:48].reshape(n, -1, 1, 32).to(torch.int32)
+            codes = codes | (((qh >> torch.arange(8).view(1, 1, 8, 1)) & 1) << 4)
+        dw = d[..., None] * sc.float()
+        mw = -(dmin[..., None] * mn.float())
+        return codes.reshape(n, nb, 32), dw.reshape(n, nb), mw.reshape(n, nb)
+    b = qweight.reshape(n, nb, -1)
+    d = _f16(b[..., 0:2])
     if qtype == 8:  # Q8_0
         return b[..., 2:34].contiguous().view(torch.int8).to(torch.int32), d, None
-    nib = b[..., 4:20] if qtype == 3 else b[..., 2:18]
-    codes = torch.cat([nib & 15, nib >> 4], dim=-1).to(torch.int32)
-    if qtype == 2:  # Q4_0
-        return codes - 8, d, None
-    if qtype == 3:  # Q4_1
-        return codes, d, b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    raise ValueError(f"GGML type {qtype} is not one of Q4_0, Q4_1, Q8_0 (2, 3, 8)")
+    if qtype in (2, 3):  # Q4_0, Q4_1
+        codes = _nibbles(b[..., 4:20] if qtype == 3 else b[..., 2:18])
+        return (codes - 8, d, None) if qtype == 2 else (codes, d, _f16(b[..., 2:4]))
+    if qtype in (6, 7):  # Q5_0, Q5_1: a 32-bit word of fifth bits, weight j's at bit j
+        qh_at = 4 if qtype == 7 else 2
+        h = b[..., qh_at:qh_at + 4].to(torch.int64)
+        word = h[..., 0] | h[..., 1] << 8 | h[..., 2] << 16 | h[..., 3] << 24
+        high = ((word[..., None] >> torch.arange(32)) & 1).to(torch.int32)
+        codes = _nibbles(b[..., qh_at + 4:qh_at + 20]) | (high << 4)
+        return (codes - 16, d, None) if qtype == 6 else (codes, d, _f16(b[..., 2:4]))
+    raise ValueError(f"GGML type {qtype} is not one of the int8 kernel's types")
 
 
 def gguf_q8_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:

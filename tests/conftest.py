@@ -92,6 +92,29 @@ def mixed_gguf_path(tmp_path_factory, tiny_model_dir) -> Path:
                            loader.load_config(tiny_model_dir), MIXED)
 
 
+@pytest.fixture(scope="session")
+def kquant_gguf_path(tmp_path_factory, default_model_dir) -> Path:
+    """A 2-layer random Llama wide enough for K-quant blocks (hidden 256, MLP 512, 4 heads of
+    64, 2 KV heads), written with ``gguf_tiny.KQUANT``'s Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 mix and a
+    tied Q6_K embedding, as llama.cpp's ``_K_M`` files are."""
+    from transformers import LlamaForCausalLM
+
+    from tests.gguf_tiny import KQUANT, Q, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("kquant-llama")
+    torch.manual_seed(4321)
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    out = tmp_path_factory.mktemp("kquant-gguf") / "tiny-kquant.gguf"
+    return write_tiny_gguf(path, loader.embedded_gguf_path(), out, loader.load_config(path),
+                           KQUANT, embedding=Q.Q6_K)
+
+
 @lru_cache(maxsize=4)
 def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -49,10 +49,73 @@ MIXED = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.
          "ffn_gate": Q.Q4_1, "ffn_up": Q.Q8_0, "ffn_down": Q.F16}
 
 
+# A K-quant mix as llama.cpp's Q4_K_M / Q5_K_M files have them, with the legacy types its
+# fallback uses (Q5_0, Q5_1) in the same modules: q/k/v of three types, gate/up of two.
+KQUANT = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_0,
+          "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_1, "ffn_down": Q.Q6_K}
+_F16 = np.float16
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """6-bit scales and minimums ``[B, 8]`` as Q4_K / Q5_K's 12 bytes ``[B, 12]``."""
+    s = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    s[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    s[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return s
+
+
+def kquantize(t: np.ndarray, qtype) -> np.ndarray:
+    """``[n, k]`` float32 (k a multiple of 256) as Q4_K, Q5_K or Q6_K blocks ``[n, row_bytes]``
+    (gguf-py has no K-quant quantizer): a plain min/max fit per 32 (Q6_K: per 16) weights, the
+    block layouts of llama.cpp's ``ggml-common.h``. Not llama.cpp's error-minimizing search;
+    the tests need valid blocks of sensible weights, not the best ones."""
+    n, k = t.shape
+    x = t.reshape(-1, 8, 32).astype(np.float32)  # super-blocks of 8 sub-blocks
+    nb = x.shape[0]
+    if qtype == Q.Q6_K:
+        g = x.reshape(nb, 16, 16)
+        amax = np.abs(g).max(-1)
+        d = (amax.max(-1) / 31 / 127).astype(_F16)
+        dd = np.where(d == 0, 1, d).astype(np.float32)
+        sc = np.clip(np.round(amax / 31 / dd[:, None]), -128, 127).astype(np.int8)
+        step = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+        q = np.clip(np.round(g / np.where(step == 0, 1, step)[..., None]) + 32, 0, 63)
+        q = q.astype(np.uint8).reshape(nb, 2, 4, 32)  # [half, sub-block, l]
+        ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4),
+                             (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], axis=-1)
+        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) \
+            | ((q[:, :, 3] >> 4) << 6)
+        out = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8),
+                              d.reshape(nb, 1).view(np.uint8)], axis=-1)
+        return out.reshape(n, -1)
+    nmax = 15 if qtype == Q.Q4_K else 31
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    scale, mins = (hi - lo) / nmax, -lo
+    d, dmin = (scale.max(-1) / 63).astype(_F16), (mins.max(-1) / 63).astype(_F16)
+    fd, fm = np.where(d == 0, 1, d).astype(np.float32), np.where(dmin == 0, 1, dmin)
+    sc = np.clip(np.round(scale / fd[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / fm.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    off = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.round((x + off[..., None]) / np.where(step == 0, 1, step)[..., None]),
+                0, nmax).astype(np.uint8)  # [B, 8, 32]
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(nb, 128)
+    head = [d.reshape(nb, 1).view(np.uint8), dmin.reshape(nb, 1).view(np.uint8),
+            _pack_k_scales(sc, m)]
+    if qtype == Q.Q5_K:
+        qh = np.zeros((nb, 32), dtype=np.uint8)
+        for s_ in range(8):
+            qh |= ((q[:, s_] >> 4) & 1) << s_
+        head.append(qh)
+    return np.concatenate([*head, qs], axis=-1).reshape(n, -1)
+
+
 def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
-                    types: dict | None = None) -> Path:
+                    types: dict | None = None, embedding=Q.Q8_0) -> Path:
     """``model_dir``'s float32 safetensors as ``out`` (a .gguf file); ``types``: GGUF short
-    name -> block type, overriding ``_LAYER``'s (e.g. ``MIXED``)."""
+    name -> block type, overriding ``_LAYER``'s (e.g. ``MIXED``); ``embedding``: the (tied)
+    ``token_embd``'s type."""
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     w = GGUFWriter(str(out), "llama")
@@ -74,10 +137,12 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
             w.add_tensor(name, t)
         elif qtype == Q.F16:
             w.add_tensor(name, t.astype(np.float16))
+        elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            w.add_tensor(name, kquantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 
-    add("token_embd.weight", state["model.embed_tokens.weight"], Q.Q8_0)
+    add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
     add("output_norm.weight", state["model.norm.weight"], None)
     for i in range(config.num_hidden_layers):
         for suffix, (short, qtype) in _LAYER.items():

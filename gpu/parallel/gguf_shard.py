@@ -25,7 +25,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedserve.gpu.parallel.layout import RankLayout, _heads
-from pagedserve.kernels.gguf_ops import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE
+from pagedserve.kernels.gguf_ops import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUF_BLOCK_WEIGHTS
 
 
 def check_gguf_split(config: PretrainedConfig, tp: int) -> None:
@@ -123,9 +123,15 @@ def rank_blocks(name: str, qtype: int, parts: list[tuple[int, ReadPart]],
         start, stop = inter
     else:
         raise ValueError(f"no tensor-parallel split for GGUF layer {name}")
-    # Input elements [start, stop) of every row: whole blocks (check_gguf_split).
+    # Input elements [start, stop) of every row: whole blocks (check_gguf_split checks the
+    # 32-element ones; a K-quant's 256-weight blocks are checked here, where its type is known).
+    bw = GGUF_BLOCK_WEIGHTS[qtype]
+    if start % bw or stop % bw:
+        raise ValueError(f"{name}: this rank's inputs [{start}, {stop}) are not whole "
+                         f"{bw}-weight blocks of its GGML type {qtype}; use a smaller "
+                         f"--tensor-parallel-size")
     rows, read = parts[0]
-    return read(slice(0, rows), slice(start // GGUF_BLOCK_SIZE * bb, stop // GGUF_BLOCK_SIZE * bb))
+    return read(slice(0, rows), slice(start // bw * bb, stop // bw * bb))
 
 
 def gguf_part(data, n_head: int, unpermute: Callable[[torch.Tensor, int], torch.Tensor],

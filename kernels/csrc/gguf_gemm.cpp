@@ -1,16 +1,18 @@
-// y[M, N] = x[M, K] @ W[N, K]^T with W kept in GGUF's quantized blocks (Q4_0, Q4_1, Q8_0: 32
-// weights per block, an fp16 scale, for Q4_1 an fp16 minimum), the layout llama.cpp writes
+// y[M, N] = x[M, K] @ W[N, K]^T with W kept in GGUF's quantized blocks (every type of
+// gguf_blocks.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the layout llama.cpp writes
 // (ggml-common.h). A decode step on a CPU is bound by reading the weights: SmolLM2-135M's
 // Q4_1/Q8_0 file is 96 MB per step against 270 MB de-quantized to bfloat16.
 //
-// Each weight is de-quantized exactly (d*q and d*q+m are exact or singly rounded in float32, as
-// gguf-py and transformers compute them) and multiplied in float32, so results equal a float32
+// Each weight is de-quantized exactly (gguf_blocks.h: an exact product and at most one
+// rounding, as gguf-py and transformers compute them) and multiplied in float32, so results
+// equal a float32
 // matmul over the de-quantized matrix up to summation order. Activations stay float32 (or
 // bfloat16 in and out); llama.cpp instead quantizes them to 8 bits, which we do not, to keep
 // greedy output equal to transformers' on the same file.
 //
 // Two loops, written once for the AVX2 and AVX-512 variants (simd.h): for up to 8 rows of x,
-// blocks are de-quantized into registers and used at once; for more, 4 weight rows are
+// blocks are de-quantized into registers (Q4_0 / Q4_1 / Q8_0 with vector code, the other types
+// through the scalar decoder into a 32-float buffer) and used at once; for more, 4 weight rows are
 // de-quantized into a float32 panel that a register tile of dot products (4x4 with AVX-512,
 // 3x4 with AVX2's 16 registers) reuses over 64 rows of x at a time. The generic build keeps
 // the portable loops only. The idea is vLLM's GGUF path
@@ -23,34 +25,13 @@
 #include <vector>
 
 #include "convert.h"
+#include "gguf_blocks.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t QK = 32;                                // weights per block
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };          // GGML type ids
-constexpr int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
-
-// One block's 32 weights as floats (scalar; the generic path and the reference for the SIMD).
-inline void dequant_block(int64_t type, const uint8_t* b, float* dst) {
-  const float d = fp16(b);
-  if (type == Q8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-    for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(q[j]);
-    return;
-  }
-  const float m = type == Q4_1 ? fp16(b + 2) : -8.f * d;
-  const uint8_t* q = b + (type == Q4_1 ? 4 : 2);
-  for (int j = 0; j < 16; ++j) {
-    // Q4_0's d*(q-8) as d*q + (-8d): both products exact, so the same float.
-    dst[j] = std::fma(d, static_cast<float>(q[j] & 0xf), m);
-    dst[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), m);
-  }
-}
-
 void dequant_row(int64_t type, const uint8_t* row, int64_t k, float* dst) {
-  const int64_t bb = block_bytes(type);
-  for (int64_t i = 0; i < k / QK; ++i) dequant_block(type, row + i * bb, dst + i * QK);
+  for (int64_t i = 0; i < k / QK; ++i) dequant_row_sub(type, row, i, dst + i * QK);
 }
 
 // x rows as float32: the caller's buffer when it already is, else a converted copy.
@@ -68,7 +49,7 @@ const float* as_f32(const T* x, int64_t n, std::vector<float>& buf) {
 template <typename T>
 void gemm_generic(const float* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_t k,
                   int64_t type) {
-  const int64_t row_bytes = k / QK * block_bytes(type);
+  const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
 #pragma omp parallel
   {
     std::vector<float> wrow(k);
@@ -87,19 +68,27 @@ void gemm_generic(const float* x, const uint8_t* w, T* out, int64_t m, int64_t n
 }
 
 #if PAGEDSERVE_SIMD
-// One block's 32 weights in 32 / V::W registers, exactly as dequant_block computes them. A
-// Q4 block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+// Sub-block i (32 weights) of a row in 32 / V::W registers, exactly as dequant_row_sub computes
+// them: Q4_0 / Q4_1 / Q8_0 in registers (a Q4 block's byte j holds weight j in its low nibble,
+// j + 16 in its high one), the other types through the scalar decoder.
 template <class V, int64_t TYPE>
-inline void dequant_vec(const uint8_t* b, typename V::F* w) {
+inline void dequant_vec(const uint8_t* row, int64_t i, typename V::F* w) {
   constexpr int C = QK / V::W;
-  const typename V::F d = V::set1(fp16(b));
-  if constexpr (TYPE == Q8_0) {
-    for (int c = 0; c < C; ++c) w[c] = V::mul(d, V::int8s(b + 2 + c * V::W));
+  if constexpr (TYPE == Q4_0 || TYPE == Q4_1 || TYPE == Q8_0) {
+    const uint8_t* b = row + i * block_bytes(TYPE);
+    const typename V::F d = V::set1(fp16(b));
+    if constexpr (TYPE == Q8_0) {
+      for (int c = 0; c < C; ++c) w[c] = V::mul(d, V::int8s(b + 2 + c * V::W));
+    } else {
+      const typename V::F m = TYPE == Q4_1 ? V::set1(fp16(b + 2)) : V::mul(d, V::set1(-8.f));
+      const uint8_t* q = b + (TYPE == Q4_1 ? 4 : 2);
+      for (int c = 0; c < C; ++c)
+        w[c] = V::fmadd(V::nibbles(q + (c * V::W) % 16, c * V::W >= 16 ? 4 : 0), d, m);
+    }
   } else {
-    const typename V::F m = TYPE == Q4_1 ? V::set1(fp16(b + 2)) : V::mul(d, V::set1(-8.f));
-    const uint8_t* q = b + (TYPE == Q4_1 ? 4 : 2);
-    for (int c = 0; c < C; ++c)
-      w[c] = V::fmadd(V::nibbles(q + (c * V::W) % 16, c * V::W >= 16 ? 4 : 0), d, m);
+    alignas(64) float tmp[QK];
+    dequant_row_sub(TYPE, row, i, tmp);
+    for (int c = 0; c < C; ++c) w[c] = V::load(tmp + c * V::W);
   }
 }
 
@@ -107,9 +96,8 @@ inline void dequant_vec(const uint8_t* b, typename V::F* w) {
 // accumulators per row (as many as half the register file allows) hide the FMA latency.
 template <class V, int64_t TYPE, int MR, typename T>
 void gemv(const float* x, const uint8_t* w, T* out, int64_t n, int64_t k) {
-  constexpr int64_t bb = block_bytes(TYPE);
   constexpr int C = QK / V::W, K0 = V::kRegs / 2 / MR, K = K0 < 1 ? 1 : K0 > C ? C : K0;
-  const int64_t nb = k / QK, row_bytes = nb * bb;
+  const int64_t nb = k / QK, row_bytes = k / block_weights(TYPE) * block_bytes(TYPE);
 #pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* row = w + j * row_bytes;
@@ -118,7 +106,7 @@ void gemv(const float* x, const uint8_t* w, T* out, int64_t n, int64_t k) {
       for (int c = 0; c < K; ++c) acc[r][c] = V::zero();
     for (int64_t b = 0; b < nb; ++b) {
       typename V::F wv[C];
-      dequant_vec<V, TYPE>(row + b * bb, wv);
+      dequant_vec<V, TYPE>(row, b, wv);
       for (int r = 0; r < MR; ++r)
         for (int c = 0; c < C; ++c)
           acc[r][c % K] = V::fmadd(wv[c], V::load(x + r * k + b * QK + c * V::W), acc[r][c % K]);
@@ -169,12 +157,11 @@ inline void tile_rows(const float* x, int64_t rows, int64_t k, const float* pane
 template <class V, int64_t TYPE>
 inline void fill_panel(const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t cols,
                        int64_t k, float* panel) {
-  constexpr int64_t bb = block_bytes(TYPE);
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = w + (j0 + c) * row_bytes;
     for (int64_t b = 0; b < k / QK; ++b) {
       typename V::F wv[QK / V::W];
-      dequant_vec<V, TYPE>(row + b * bb, wv);
+      dequant_vec<V, TYPE>(row, b, wv);
       for (int i = 0; i < QK / V::W; ++i) V::store(wv[i], panel + c * k + b * QK + i * V::W);
     }
   }
@@ -183,7 +170,8 @@ inline void fill_panel(const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t 
 template <class V, int64_t TYPE, typename T>
 void gemm_panel(const float* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_t k) {
   constexpr int64_t NR = 4, MC = 64;
-  const int64_t row_bytes = k / QK * block_bytes(TYPE), n_tiles = (n + NR - 1) / NR;
+  const int64_t row_bytes = k / block_weights(TYPE) * block_bytes(TYPE);
+  const int64_t n_tiles = (n + NR - 1) / NR;
   // 64 rows of x (<= 400 KB at k = 1536) stay in L2 while every panel passes over them; each
   // weight is de-quantized once per 64 rows, a few percent of the multiply-adds.
   for (int64_t m0 = 0; m0 < m; m0 += MC) {
@@ -235,6 +223,11 @@ void gguf_linear(const T* x_in, const uint8_t* w, T* out, int64_t m, int64_t n, 
       case Q4_0: gemm_simd<Vec, Q4_0>(x, w, out, m, n, k); return;
       case Q4_1: gemm_simd<Vec, Q4_1>(x, w, out, m, n, k); return;
       case Q8_0: gemm_simd<Vec, Q8_0>(x, w, out, m, n, k); return;
+      case Q5_0: gemm_simd<Vec, Q5_0>(x, w, out, m, n, k); return;
+      case Q5_1: gemm_simd<Vec, Q5_1>(x, w, out, m, n, k); return;
+      case Q4_K: gemm_simd<Vec, Q4_K>(x, w, out, m, n, k); return;
+      case Q5_K: gemm_simd<Vec, Q5_K>(x, w, out, m, n, k); return;
+      case Q6_K: gemm_simd<Vec, Q6_K>(x, w, out, m, n, k); return;
       default: break;
     }
   }
@@ -248,8 +241,8 @@ void gguf_linear(const T* x_in, const uint8_t* w, T* out, int64_t m, int64_t n, 
 
 extern "C" {
 
-// x [m, k] contiguous, w [n, k / 32 blocks] of GGML type ``type`` (2, 3 or 8; the caller
-// checks), out [m, n] contiguous in x's dtype; k a multiple of 32. ``generic``: skip the SIMD
+// x [m, k] contiguous, w [n, k / block_weights blocks] of GGML type ``type`` (gguf_blocks.h;
+// the caller checks), out [m, n] contiguous in x's dtype; k a multiple of the type's block. ``generic``: skip the SIMD
 // loops (tests compare the two).
 void gguf_linear_f32(const float* x, const uint8_t* w, float* out, int64_t m, int64_t n,
                      int64_t k, int64_t type, int64_t generic) {
@@ -261,9 +254,9 @@ void gguf_linear_bf16(const uint16_t* x, const uint8_t* w, uint16_t* out, int64_
   gguf_linear(x, w, out, m, n, k, type, generic);
 }
 
-// De-quantize rows [n, k / 32 blocks] into out [n, k] float32 (loading and tests).
+// De-quantize rows [n, k / block_weights blocks] into out [n, k] float32 (loading and tests).
 void gguf_dequantize(const uint8_t* w, float* out, int64_t n, int64_t k, int64_t type) {
-  const int64_t row_bytes = k / QK * block_bytes(type);
+  const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
   for (int64_t j = 0; j < n; ++j) dequant_row(type, w + j * row_bytes, k, out + j * k);
 }
 

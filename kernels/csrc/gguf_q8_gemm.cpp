@@ -1,25 +1,27 @@
 // The int8-activation mode of the GGUF products (``--cpu-linear-mode int8``): y[M, N] =
 // x[M, K] @ W[N, K]^T with x quantized to 8 bits per block of 32 values and every block's
-// product taken in integers, as llama.cpp does on the CPU (its Q8_0 activation blocks against
-// Q4_0 / Q4_1 / Q8_0 weights); the exact mode is gguf_gemm.cpp.
+// product taken in integers, as llama.cpp does on the CPU (its Q8_0 / Q8_K activation blocks
+// against every weight type); the exact mode is gguf_gemm.cpp.
 //
 // Per activation block (32 values x_t): amax = max |x_t|, d = amax * float32(1 / 127),
-// q_t = round_half_even(x_t * (1 / d)) in [-127, 127] (all zero when d = 0). Per weight block
-// (scale dw, for Q4_1 the minimum mw, integer codes c_t: Q8_0 int8, Q4_0 nibble - 8, Q4_1
-// nibble) the block contributes
-//     float(sum_t c_t q_t) * (dw * d)              (+ mw * (d * float(sum_t q_t)) for Q4_1)
-// with the integer sum exact, blocks summed in order; kernels/q8_reference.py is the same
-// arithmetic in torch (the variants differ from it in float rounding only: an FMA here).
+// q_t = round_half_even(x_t * (1 / d)) in [-127, 127] (all zero when d = 0). Per 32-weight
+// sub-block of the weights (integer codes c_t, scale dw, minimum mw: gguf_blocks.h) it
+// contributes
+//     float(sum_t c_t q_t) * (dw * d)               (+ mw * (d * float(sum_t q_t)))
+// with the integer sum exact, sub-blocks summed in order; kernels/q8_reference.py is the same
+// arithmetic in torch (the variants differ from it in float rounding only: an FMA here). Q6_K's
+// codes sc * (q - 32) are summed per 16-weight group and scaled by sc in integers. llama.cpp
+// quantizes activations per 256 values for the K-quants; 32 here is finer and one format for
+// every part of a mixed-type layer.
 //
-// Weights are repacked once at load (gguf_q8_repack) into panels of 16 rows: per block, the
-// rows' codes interleaved 4 bytes at a time (Q4: byte j of a block holds weights j and j + 16,
-// so a 64-byte group holds 4 codes of each of 16 rows for two groups of 4 weights), then their
-// 16 fp16 scales (and minimums): the same bytes as the file's. One int32 lane per output
-// column then sums four byte products per instruction (vpdpbusd, or vpmaddubsw + vpmaddwd)
-// against 4 activation codes broadcast to every lane, so a block's integer sum needs no
-// horizontal reduction, and the per-block scaling is one convert and FMA per 8 or 16 columns.
-// The layout is the idea of llama.cpp's repacked CPU weights (ggml-cpu/repack.cpp), written
-// anew for these types and lane counts.
+// Weights are repacked once at load (gguf_q8_repack) into panels of 16 rows (gguf_blocks.h):
+// per block, the rows' code bytes interleaved 4 bytes at a time, then their high bits the same
+// way, then the per-row scales, the file's bytes (Q4_K / Q5_K: 6-bit scales decoded to bytes,
+// 2.8 % more). One int32 lane per output column then sums four byte products per instruction
+// (vpdpbusd, or vpmaddubsw + vpmaddwd) against 4 activation codes broadcast to every lane, so a
+// block's integer sum needs no horizontal reduction, and the per-block scaling is one convert
+// and FMA per 8 or 16 columns. The layout is the idea of llama.cpp's repacked CPU weights
+// (ggml-cpu/repack.cpp), written anew for these types and lane counts.
 //
 // Built once per tier and, where the tier allows, twice: PAGEDSERVE_Q8_VNNI set (with
 // -mavx512vnni in the avx512 tier, -mavxvnni in the avx2 one; kernels/cpu_build.py) names the
@@ -29,7 +31,8 @@
 // not share COMDAT template code.
 //
 // vpdpbusd and vpmaddubsw multiply unsigned by signed bytes, so the weight side is unsigned:
-// Q4 nibbles are (Q4_0's -8 becomes -8 * sum(q) added to the block's integer sum); Q8_0 codes
+// 4/5/6-bit codes are (Q4_0's -8, Q5_0's -16, Q6_K's -32 become -8 / -16 / -32 * sum(q) added
+// to the integer sum; pair sums stay below maddubs' int16 limit, 63 * 127 * 2); Q8_0 codes
 // get +128 with a -128 * sum(q) correction under VNNI, and the sign trick (|c|, q * sign(c))
 // under maddubs, whose int16 pair sums would saturate at 255 * 127 * 2.
 
@@ -39,6 +42,7 @@
 #include <cstring>
 
 #include "convert.h"
+#include "gguf_blocks.h"
 #include "simd.h"
 
 #if defined(PAGEDSERVE_Q8_VNNI)
@@ -49,38 +53,29 @@
 
 namespace {
 
-constexpr int64_t QK = 32, PR = 16;  // weights per block; rows per repacked panel
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-constexpr int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
-constexpr int64_t code_bytes(int64_t t) { return t == Q8_0 ? 32 : 16; }
 constexpr float kInv127 = 1.0f / 127.0f;
 
-// A repacked panel's block: PR * code_bytes codes in 4-byte groups (group g: row r's code
-// bytes 4g..4g+3 at g * 64 + r * 4), then PR fp16 scales, then (Q4_1) PR fp16 minimums.
 void repack(const uint8_t* w, uint8_t* out, int64_t n, int64_t k, int64_t type) {
-  const int64_t nb = k / QK, bb = block_bytes(type), cb = code_bytes(type);
+  const int64_t nb = k / block_weights(type), bb = block_bytes(type), pb = packed_bytes(type);
   const int64_t panels = (n + PR - 1) / PR, row_bytes = nb * bb;
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* dst = out + (p * nb + b) * PR * bb;
-      std::memset(dst, 0, PR * bb);  // rows past n: zero codes, zero scales
-      for (int64_t r = 0; r < PR && p * PR + r < n; ++r) {
-        const uint8_t* blk = w + (p * PR + r) * row_bytes + b * bb;
-        const uint8_t* codes = blk + (type == Q4_1 ? 4 : 2);
-        for (int64_t g = 0; g < cb / 4; ++g) std::memcpy(dst + g * 64 + r * 4, codes + g * 4, 4);
-        std::memcpy(dst + PR * cb + r * 2, blk, 2);
-        if (type == Q4_1) std::memcpy(dst + PR * cb + PR * 2 + r * 2, blk + 2, 2);
-      }
+      uint8_t* dst = out + (p * nb + b) * PR * pb;
+      std::memset(dst, 0, PR * pb);  // rows past n: zero codes, zero scales
+      for (int64_t r = 0; r < PR && p * PR + r < n; ++r)
+        repack_block(type, w + (p * PR + r) * row_bytes + b * bb, dst, r);
     }
 }
 
 // The quantized activations of one call, row r's block b at i = r * nb + b: codes
-// q[i * 32 ..], scale d[i], integer sum(q) in sum[i], d * sum(q) in s[i].
+// q[i * 32 ..], scale d[i], integer sum(q) in sum[i], d * sum(q) in s[i], the sums of its two
+// 16-value halves in sum16[2 * i], sum16[2 * i + 1] (Q6_K's scale groups).
 struct QuantX {
   int8_t* q;
   float* d;
   float* s;
   int32_t* sum;
+  int32_t* sum16;
   int64_t nb;
 };
 
@@ -100,46 +95,43 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx) {
     volatile float dv = amax * kInv127;
     const float d = dv, id = d != 0.f ? 1.f / d : 0.f;
     int8_t* q = qx.q + i * QK;
-    int32_t sum = 0;
+    int32_t half[2] = {0, 0};
     for (int t = 0; t < QK; ++t) {
       float r = std::nearbyint(v[t] * id);  // ties to even, as torch.round
       r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
       q[t] = static_cast<int8_t>(r);
-      sum += q[t];
+      half[t / 16] += q[t];
     }
+    const int32_t sum = half[0] + half[1];
     qx.d[i] = d;
     qx.sum[i] = sum;
+    qx.sum16[2 * i] = half[0];
+    qx.sum16[2 * i + 1] = half[1];
     qx.s[i] = d * static_cast<float>(sum);
   }
 }
 
-// The portable loop over the repacked weights: the reference arithmetic, blocks in order.
-template <int64_t TYPE, typename T>
-void q8_generic(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
-  const int64_t nb = qx.nb, bb = block_bytes(TYPE), cb = code_bytes(TYPE);
+// The portable loop over the repacked weights: the reference arithmetic, sub-blocks in order.
+template <typename T>
+void q8_generic(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n,
+                int64_t type) {
+  const int64_t nb = qx.nb, per = block_weights(type) / QK, pb = packed_bytes(type);
 #pragma omp parallel for schedule(static) if (n * nb >= (1 << 11))
   for (int64_t j = 0; j < n; ++j) {
     const int64_t p = j / PR, lane = j % PR;
     for (int64_t i = 0; i < m; ++i) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + (p * nb + b) * PR * bb;
+        const PanelBlock blk{w + (p * (nb / per) + b / per) * PR * pb, type, lane};
+        int32_t c[32];
+        float dw, mw;
+        decode_sub(blk, static_cast<int>(b % per), c, dw, mw);
         const int8_t* q = qx.q + (i * nb + b) * QK;
         int32_t isum = 0;
-        for (int64_t g = 0; g < cb / 4; ++g)
-          for (int t = 0; t < 4; ++t) {
-            const uint8_t c = blk[g * 64 + lane * 4 + t];
-            if constexpr (TYPE == Q8_0) {
-              isum += static_cast<int8_t>(c) * q[4 * g + t];
-            } else {
-              const int bias = TYPE == Q4_0 ? 8 : 0;
-              isum += ((c & 15) - bias) * q[4 * g + t] + ((c >> 4) - bias) * q[16 + 4 * g + t];
-            }
-          }
-        const float dw = fp16(blk + PR * cb + lane * 2);
+        for (int t = 0; t < QK; ++t) isum += c[t] * q[t];
         acc += static_cast<float>(isum) * (dw * qx.d[i * nb + b]);
-        if constexpr (TYPE == Q4_1)
-          acc += fp16(blk + PR * cb + PR * 2 + lane * 2) * qx.s[i * nb + b];
+        if (type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K)
+          acc += mw * qx.s[i * nb + b];
       }
       store(acc, out + i * n + j);
     }
@@ -181,14 +173,41 @@ struct I8 {
                                                    _mm256_set1_epi16(1)));
 #endif
   }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  // Per byte: bit ``bit`` moved to bit 4 (and bit + 1 to 5 ...), masked by ``mask``.
+  static I bits_to4(I v, int bit, int mask) {
+    const I m = _mm256_set1_epi8(static_cast<char>(mask));
+    return bit <= 4 ? _mm256_and_si256(_mm256_slli_epi16(v, 4 - bit), m)
+                    : _mm256_and_si256(_mm256_srli_epi16(v, bit - 4), m);
+  }
+  // Per lane: 0x10 in byte t where bit ``shift + t`` of the lane's int32 is set (Q5_0 / Q5_1).
+  static I spread4(I v, int shift) {
+    const I x = _mm256_shuffle_epi8(_mm256_srli_epi32(v, shift),
+                                    _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12,
+                                                     12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8,
+                                                     8, 8, 12, 12, 12, 12));
+    const I bits = _mm256_set1_epi32(0x08040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, bits), bits),
+                            _mm256_set1_epi8(0x10));
+  }
+  static I s8i(const uint8_t* p) {  // L int8 -> int32
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F halves(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static F u8f(const uint8_t* p) {  // L uint8 -> float32
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
   static void storef(F v, float* p) { _mm256_storeu_ps(p, v); }
 };
 
@@ -222,14 +241,37 @@ struct I16 {
                                                    _mm512_set1_epi16(1)));
 #endif
   }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I bits_to4(I v, int bit, int mask) {
+    const I m = _mm512_set1_epi8(static_cast<char>(mask));
+    return bit <= 4 ? _mm512_and_si512(_mm512_slli_epi16(v, 4 - bit), m)
+                    : _mm512_and_si512(_mm512_srli_epi16(v, bit - 4), m);
+  }
+  static I spread4(I v, int shift) {
+    const I x = _mm512_shuffle_epi8(
+        _mm512_srli_epi32(v, shift),
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12)));
+    const __mmask64 set = _mm512_test_epi8_mask(x, _mm512_set1_epi32(0x08040201));
+    return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10));
+  }
+  static I s8i(const uint8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F halves(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static F u8f(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static void storef(F v, float* p) { _mm512_storeu_ps(p, v); }
 };
 using IV = I16;
@@ -237,52 +279,10 @@ using IV = I16;
 using IV = I8;
 #endif
 
-// Output columns [lane0, lane0 + V::L) of one panel for MR rows of x from r0: per block, the
-// codes of all lanes against 4 broadcast activation codes at a time, then one scaling.
-template <class V, int64_t TYPE, int MR, typename T>
-inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
-                       T* out, int64_t ldo, int64_t cols) {
-  constexpr int64_t bb = block_bytes(TYPE), cb = code_bytes(TYPE);
-  const int64_t nb = qx.nb;
-  typename V::F acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * PR * bb;
-    typename V::I ai[MR];
-    for (int r = 0; r < MR; ++r) {
-      const int32_t s = qx.sum[(r0 + r) * nb + b];
-      ai[r] = TYPE == Q4_0 ? V::set1(-8 * s)
-              : TYPE == Q8_0 && kVnni ? V::set1(-128 * s) : V::zero();
-    }
-    if constexpr (TYPE == Q8_0) {
-      for (int g = 0; g < 8; ++g) {
-        const typename V::I w = V::load(blk + g * 64 + lane0 * 4);
-        const typename V::I u = kVnni ? V::flip(w) : V::abs8(w);
-        for (int r = 0; r < MR; ++r) {
-          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b) * QK + 4 * g);
-          ai[r] = V::dot(ai[r], u, kVnni ? xs : V::sign8(xs, w));
-        }
-      }
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        const typename V::I raw = V::load(blk + g * 64 + lane0 * 4);
-        const typename V::I lo = V::low4(raw), hi = V::high4(raw);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* q = qx.q + ((r0 + r) * nb + b) * QK;
-          ai[r] = V::dot(ai[r], lo, V::bcast(q + 4 * g));
-          ai[r] = V::dot(ai[r], hi, V::bcast(q + 16 + 4 * g));
-        }
-      }
-    }
-    const typename V::F dw = V::halves(blk + PR * cb + lane0 * 2);
-    for (int r = 0; r < MR; ++r)
-      acc[r] = V::fmadd(V::cvt(ai[r]), V::mul(dw, V::fset1(qx.d[(r0 + r) * nb + b])), acc[r]);
-    if constexpr (TYPE == Q4_1) {
-      const typename V::F mw = V::halves(blk + PR * cb + PR * 2 + lane0 * 2);
-      for (int r = 0; r < MR; ++r)
-        acc[r] = V::fmadd(mw, V::fset1(qx.s[(r0 + r) * nb + b]), acc[r]);
-    }
-  }
+// The tile's float accumulators into out (row-major, ldo), the first ``cols`` columns.
+template <class V, int MR, typename T>
+inline void store_tile(const typename V::F* acc, T* out, int64_t r0, int64_t ldo,
+                       int64_t lane0, int64_t cols) {
   for (int r = 0; r < MR; ++r) {
     T* o = out + (r0 + r) * ldo + lane0;
     if constexpr (sizeof(T) == 4) {
@@ -297,10 +297,166 @@ inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64
   }
 }
 
+// Output columns [lane0, lane0 + V::L) of one panel for MR rows of x from r0, 32-weight
+// blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): per block, the codes of all lanes against 4 broadcast
+// activation codes at a time, then one scaling.
+template <class V, int64_t TYPE, int MR, typename T>
+inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
+                       T* out, int64_t ldo, int64_t cols) {
+  constexpr int64_t pb = packed_bytes(TYPE), tail = tail_off(TYPE);
+  constexpr bool has_min = TYPE == Q4_1 || TYPE == Q5_1;
+  const int64_t nb = qx.nb;
+  typename V::F acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * PR * pb;
+    typename V::I ai[MR];
+    for (int r = 0; r < MR; ++r) {
+      const int32_t s = qx.sum[(r0 + r) * nb + b];
+      ai[r] = TYPE == Q4_0 ? V::set1(-8 * s) : TYPE == Q5_0 ? V::set1(-16 * s)
+              : TYPE == Q8_0 && kVnni ? V::set1(-128 * s) : V::zero();
+    }
+    if constexpr (TYPE == Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        const typename V::I w = V::load(blk + g * 64 + lane0 * 4);
+        const typename V::I u = kVnni ? V::flip(w) : V::abs8(w);
+        for (int r = 0; r < MR; ++r) {
+          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b) * QK + 4 * g);
+          ai[r] = V::dot(ai[r], u, kVnni ? xs : V::sign8(xs, w));
+        }
+      }
+    } else {
+      typename V::I qh = V::zero();
+      if constexpr (TYPE == Q5_0 || TYPE == Q5_1) qh = V::load(blk + high_off(TYPE) + lane0 * 4);
+      for (int g = 0; g < 4; ++g) {
+        const typename V::I raw = V::load(blk + g * 64 + lane0 * 4);
+        typename V::I lo = V::low4(raw), hi = V::high4(raw);
+        if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+          lo = V::or_(lo, V::spread4(qh, 4 * g));
+          hi = V::or_(hi, V::spread4(qh, 16 + 4 * g));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* q = qx.q + ((r0 + r) * nb + b) * QK;
+          ai[r] = V::dot(ai[r], lo, V::bcast(q + 4 * g));
+          ai[r] = V::dot(ai[r], hi, V::bcast(q + 16 + 4 * g));
+        }
+      }
+    }
+    const typename V::F dw = V::halves(blk + tail + lane0 * 2);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = V::fmadd(V::cvt(ai[r]), V::mul(dw, V::fset1(qx.d[(r0 + r) * nb + b])), acc[r]);
+    if constexpr (has_min) {
+      const typename V::F mw = V::halves(blk + tail + PR * 2 + lane0 * 2);
+      for (int r = 0; r < MR; ++r)
+        acc[r] = V::fmadd(mw, V::fset1(qx.s[(r0 + r) * nb + b]), acc[r]);
+    }
+  }
+  store_tile<V, MR>(acc, out, r0, ldo, lane0, cols);
+}
+
+// The same for Q4_K / Q5_K's 256-weight blocks: sub-blocks 2j and 2j + 1 share code bytes
+// (low and high nibbles), each has its own scale d * sc and minimum dmin * m.
+template <class V, int64_t TYPE, int MR, typename T>
+inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
+                         T* out, int64_t ldo, int64_t cols) {
+  constexpr int64_t pb = packed_bytes(TYPE), tail = tail_off(TYPE);
+  const int64_t nb = qx.nb;
+  typename V::F acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
+  for (int64_t b = 0; b < nb / 8; ++b) {
+    const uint8_t* blk = panel + b * PR * pb;
+    const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
+    const typename V::F dmin = V::halves(blk + tail + 288 + lane0 * 2);
+    for (int j = 0; j < 4; ++j) {
+      typename V::I lo_acc[MR], hi_acc[MR];
+      for (int r = 0; r < MR; ++r) lo_acc[r] = hi_acc[r] = V::zero();
+      for (int g = 0; g < 8; ++g) {
+        const typename V::I raw = V::load(blk + (8 * j + g) * 64 + lane0 * 4);
+        typename V::I lo = V::low4(raw), hi = V::high4(raw);
+        if constexpr (TYPE == Q5_K) {
+          const typename V::I h = V::load(blk + high_off(TYPE) + g * 64 + lane0 * 4);
+          lo = V::or_(lo, V::bits_to4(h, 2 * j, 0x10));
+          hi = V::or_(hi, V::bits_to4(h, 2 * j + 1, 0x10));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* q = qx.q + ((r0 + r) * nb + b * 8 + 2 * j) * QK;
+          lo_acc[r] = V::dot(lo_acc[r], lo, V::bcast(q + 4 * g));
+          hi_acc[r] = V::dot(hi_acc[r], hi, V::bcast(q + QK + 4 * g));
+        }
+      }
+      for (int half = 0; half < 2; ++half) {
+        const int s = 2 * j + half;
+        const typename V::F dw = V::mul(d, V::u8f(blk + tail + s * 16 + lane0));
+        const typename V::F dm = V::mul(dmin, V::u8f(blk + tail + 128 + s * 16 + lane0));
+        for (int r = 0; r < MR; ++r) {
+          const int64_t i = (r0 + r) * nb + b * 8 + s;
+          acc[r] = V::fmadd(V::cvt(half ? hi_acc[r] : lo_acc[r]), V::mul(dw, V::fset1(qx.d[i])),
+                            acc[r]);
+          acc[r] = V::fnmadd(dm, V::fset1(qx.s[i]), acc[r]);  // + (-(dmin * m)) * d * sum(q)
+        }
+      }
+    }
+  }
+  store_tile<V, MR>(acc, out, r0, ldo, lane0, cols);
+}
+
+// Q6_K: per 32-weight sub-block, the two 16-weight groups' integer sums (codes q6 - 32, the
+// -32 as -32 * their activation sums) times their int8 scales, summed in integers, then d.
+template <class V, int MR, typename T>
+inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
+                           T* out, int64_t ldo, int64_t cols) {
+  constexpr int64_t pb = packed_bytes(Q6_K), tail = tail_off(Q6_K), hoff = high_off(Q6_K);
+  const int64_t nb = qx.nb;
+  typename V::F acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
+  for (int64_t b = 0; b < nb / 8; ++b) {
+    const uint8_t* blk = panel + b * PR * pb;
+    const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
+    for (int s = 0; s < 8; ++s) {
+      const int h = s / 4, s4 = s % 4;
+      typename V::I ia[MR], ib[MR];
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = (r0 + r) * nb + b * 8 + s;
+        ia[r] = V::set1(-32 * qx.sum16[2 * i]);
+        ib[r] = V::set1(-32 * qx.sum16[2 * i + 1]);
+      }
+      for (int g = 0; g < 8; ++g) {
+        const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + lane0 * 4);
+        const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + lane0 * 4);
+        const typename V::I u = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw),
+                                       V::bits_to4(hv, 2 * s4, 0x30));
+        for (int r = 0; r < MR; ++r) {
+          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b * 8 + s) * QK + 4 * g);
+          if (g < 4) ia[r] = V::dot(ia[r], u, xs);
+          else ib[r] = V::dot(ib[r], u, xs);
+        }
+      }
+      const typename V::I sca = V::s8i(blk + tail + (2 * s) * 16 + lane0);
+      const typename V::I scb = V::s8i(blk + tail + (2 * s + 1) * 16 + lane0);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = (r0 + r) * nb + b * 8 + s;
+        const typename V::I tot = V::add(V::mullo(ia[r], sca), V::mullo(ib[r], scb));
+        acc[r] = V::fmadd(V::cvt(tot), V::mul(d, V::fset1(qx.d[i])), acc[r]);
+      }
+    }
+  }
+  store_tile<V, MR>(acc, out, r0, ldo, lane0, cols);
+}
+
+template <class V, int64_t TYPE, int MR, typename T>
+inline void tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0, T* out,
+                 int64_t ldo, int64_t cols) {
+  if constexpr (TYPE == Q6_K) panel_tile_q6k<V, MR>(qx, r0, panel, lane0, out, ldo, cols);
+  else if constexpr (TYPE == Q4_K || TYPE == Q5_K)
+    panel_tile_k<V, TYPE, MR>(qx, r0, panel, lane0, out, ldo, cols);
+  else panel_tile<V, TYPE, MR>(qx, r0, panel, lane0, out, ldo, cols);
+}
+
 template <class V, int64_t TYPE, typename T>
 void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
   constexpr int MR = 4;
-  const int64_t nb = qx.nb, panels = (n + PR - 1) / PR, panel_bytes = nb * PR * block_bytes(TYPE);
+  const int64_t nb = qx.nb, panels = (n + PR - 1) / PR;
+  const int64_t panel_bytes = nb * QK / block_weights(TYPE) * PR * packed_bytes(TYPE);
   // Panels outside (each panel's weights, 9-27 KB for SmolLM2, stay in L1/L2 over all rows of
   // x), rows of x inside in tiles of 4; the quantized x is a quarter of its float32 bytes.
 #pragma omp parallel for schedule(static) if (n * nb * (m < 4 ? m : 4) >= (1 << 11))
@@ -311,11 +467,11 @@ void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
       if (cols <= 0) break;
       T* o = out + p * PR;
       int64_t r = 0;
-      for (; r + MR <= m; r += MR) panel_tile<V, TYPE, MR>(qx, r, panel, lane0, o, n, cols);
+      for (; r + MR <= m; r += MR) tile<V, TYPE, MR>(qx, r, panel, lane0, o, n, cols);
       switch (m - r) {
-        case 3: panel_tile<V, TYPE, 3>(qx, r, panel, lane0, o, n, cols); break;
-        case 2: panel_tile<V, TYPE, 2>(qx, r, panel, lane0, o, n, cols); break;
-        case 1: panel_tile<V, TYPE, 1>(qx, r, panel, lane0, o, n, cols); break;
+        case 3: tile<V, TYPE, 3>(qx, r, panel, lane0, o, n, cols); break;
+        case 2: tile<V, TYPE, 2>(qx, r, panel, lane0, o, n, cols); break;
+        case 1: tile<V, TYPE, 1>(qx, r, panel, lane0, o, n, cols); break;
         default: break;
       }
     }
@@ -326,7 +482,7 @@ void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
 template <typename T>
 int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_t k,
               int64_t type, int64_t generic) {
-  if (type != Q4_0 && type != Q4_1 && type != Q8_0) return -1;
+  if (!known_type(type) || k % block_weights(type)) return -1;
   QuantX qx;
   qx.nb = k / QK;
   const int64_t blocks = m * qx.nb;
@@ -334,8 +490,9 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
   qx.d = static_cast<float*>(std::malloc(blocks * sizeof(float) + 4));
   qx.s = static_cast<float*>(std::malloc(blocks * sizeof(float) + 4));
   qx.sum = static_cast<int32_t*>(std::malloc(blocks * sizeof(int32_t) + 4));
+  qx.sum16 = static_cast<int32_t*>(std::malloc(2 * blocks * sizeof(int32_t) + 8));
   int rc = 0;
-  if (!qx.q || !qx.d || !qx.s || !qx.sum) {
+  if (!qx.q || !qx.d || !qx.s || !qx.sum || !qx.sum16) {
     rc = -2;
   } else {
     quantize_rows(x, m, k, qx);
@@ -344,21 +501,20 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
       switch (type) {
         case Q4_0: q8_simd<IV, Q4_0>(qx, w, out, m, n); break;
         case Q4_1: q8_simd<IV, Q4_1>(qx, w, out, m, n); break;
+        case Q5_0: q8_simd<IV, Q5_0>(qx, w, out, m, n); break;
+        case Q5_1: q8_simd<IV, Q5_1>(qx, w, out, m, n); break;
+        case Q4_K: q8_simd<IV, Q4_K>(qx, w, out, m, n); break;
+        case Q5_K: q8_simd<IV, Q5_K>(qx, w, out, m, n); break;
+        case Q6_K: q8_simd<IV, Q6_K>(qx, w, out, m, n); break;
         default: q8_simd<IV, Q8_0>(qx, w, out, m, n); break;
       }
     }
 #else
     generic = 1;
 #endif
-    if (generic) {
-      switch (type) {
-        case Q4_0: q8_generic<Q4_0>(qx, w, out, m, n); break;
-        case Q4_1: q8_generic<Q4_1>(qx, w, out, m, n); break;
-        default: q8_generic<Q8_0>(qx, w, out, m, n); break;
-      }
-    }
+    if (generic) q8_generic(qx, w, out, m, n, type);
   }
-  std::free(qx.q), std::free(qx.d), std::free(qx.s), std::free(qx.sum);
+  std::free(qx.q), std::free(qx.d), std::free(qx.s), std::free(qx.sum), std::free(qx.sum16);
   return rc;
 }
 
@@ -367,9 +523,10 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
 extern "C" {
 
 // x [m, k] contiguous (float32 or bfloat16), w the repacked weights of ``gguf_q8_repack``
-// ([ceil(n / 16) * 16, k / 32 blocks] bytes of GGML type ``type``), out [m, n] in x's dtype,
-// k a multiple of 32. ``generic``: the portable loop (tests). Returns 0, -1 for an unknown
-// type, -2 when the activation buffers cannot be allocated.
+// ([ceil(n / 16) * 16, k / block_weights * packed_bytes] bytes of GGML type ``type``), out
+// [m, n] in x's dtype, k a multiple of the type's block. ``generic``: the portable loop
+// (tests). Returns 0, -1 for an unknown type or a k that is not, -2 when the activation
+// buffers cannot be allocated.
 int Q8_ENTRY(gguf_q8_linear_f32)(const float* x, const uint8_t* w, float* out, int64_t m,
                                  int64_t n, int64_t k, int64_t type, int64_t generic) {
   return q8_linear(x, w, out, m, n, k, type, generic);
@@ -382,10 +539,29 @@ int Q8_ENTRY(gguf_q8_linear_bf16)(const uint16_t* x, const uint8_t* w, uint16_t*
 }
 
 #if !defined(PAGEDSERVE_Q8_VNNI)
-// GGUF rows w [n, k / 32 blocks] of ``type`` into the panels the int8 kernel reads, out
-// [ceil(n / 16) * 16 * k / 32 * block_bytes] bytes (the same layout for every variant).
+// GGUF rows w [n, k / block_weights * block_bytes] of ``type`` into the panels the int8 kernel
+// reads, out [ceil(n / 16) * 16, k / block_weights * packed_bytes] bytes (gguf_blocks.h; the
+// same layout for every variant).
 void gguf_q8_repack(const uint8_t* w, uint8_t* out, int64_t n, int64_t k, int64_t type) {
   repack(w, out, n, k, type);
+}
+
+// Rows index[0 .. count) of the weights in panels w (as gguf_q8_repack wrote them), de-quantized
+// into out [count, k] float32, bit-equal to de-quantizing the file's rows (an embedding lookup
+// whose table is shared with a tied lm_head's panels). The caller checks the indices.
+void gguf_q8_dequantize_rows(const uint8_t* w, const int64_t* index, int64_t count, float* out,
+                             int64_t k, int64_t type) {
+  const int64_t nb = k / block_weights(type), per = block_weights(type) / QK;
+  const int64_t pb = packed_bytes(type);
+#pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t p = index[t] / PR, lane = index[t] % PR;
+    for (int64_t b = 0; b < nb; ++b) {
+      const PanelBlock blk{w + (p * nb + b) * PR * pb, type, lane};
+      for (int64_t s = 0; s < per; ++s)
+        dequant_sub(blk, static_cast<int>(s), out + t * k + (b * per + s) * QK);
+    }
+  }
 }
 #endif
 

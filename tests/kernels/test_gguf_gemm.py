@@ -5,37 +5,34 @@ tier the CPU runs (the ``isa`` fixture)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType
 
 from pagedserve.kernels import gguf_ops
+from tests.kernels.gguf_blocks import TYPES, block_weights, random_blocks, width
 
 pytestmark = pytest.mark.usefixtures("isa")
 
-TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-
 
 def _quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ``[n, k]`` weights quantized by gguf-py: (blocks uint8, their float32 values)."""
-    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
-    blocks = quants.quantize(w, qtype)
-    return torch.from_numpy(blocks), torch.from_numpy(quants.dequantize(blocks, qtype))
+    return random_blocks(qtype, n, k, seed)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_is_bit_equal_to_gguf_py(qtype):
-    blocks, values = _quantized(qtype, 33, 256)
-    assert blocks.shape[1] == 256 // 32 * gguf_ops.GGUF_BLOCK_BYTES[int(qtype)]
-    assert torch.equal(gguf_ops.gguf_dequantize(blocks, int(qtype), 256), values)
+    blocks, values = _quantized(qtype, 33, 512)
+    bb = gguf_ops.GGUF_BLOCK_BYTES[int(qtype)]
+    assert blocks.shape[1] == 512 // block_weights(qtype) * bb
+    assert torch.equal(gguf_ops.gguf_dequantize(blocks, int(qtype), 512), values)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 70])  # 70: two 64-row chunks
 @pytest.mark.parametrize("generic", [False, True])
 def test_linear_equals_float64_product(qtype, rows, generic):
-    n, k = 37, 320  # n not a multiple of the 4-row panel; k of 16-wide vectors and blocks
+    # n not a multiple of the 4-row panel; k of 16-wide vectors and blocks (K-quants: 2 blocks)
+    n, k = 37, width(qtype, 320)
     blocks, values = _quantized(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = x.double() @ values.double().T
@@ -57,7 +54,9 @@ def test_linear_keeps_leading_dims_and_rejects_bad_input():
     assert out.shape == (2, 3, 8)
     torch.testing.assert_close(out, x @ values.T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="has no kernel here"):
-        gguf_ops.gguf_linear(x, blocks, 12)  # Q4_K
+        gguf_ops.gguf_linear(x, blocks, int(GGMLQuantizationType.Q2_K))
+    with pytest.raises(ValueError, match="not whole Q4_K blocks"):
+        gguf_ops.gguf_linear(x, blocks, int(GGMLQuantizationType.Q4_K))
     with pytest.raises(ValueError, match="qweight must be"):
         gguf_ops.gguf_linear(torch.randn(1, 96), blocks, 3)  # rows are 64 weights, not 96
     with pytest.raises(ValueError, match="float32 and bfloat16"):

@@ -1,6 +1,6 @@
 """The int8-activation GGUF kernel (``--cpu-linear-mode int8``): every variant the CPU runs
 (portable loop, the tier's maddubs loop, its VNNI loop) on every ISA tier (the ``isa``
-fixture) equals ``kernels/q8_reference.py``'s torch arithmetic, for Q4_0, Q4_1 and Q8_0, at
+fixture) equals ``kernels/q8_reference.py``'s torch arithmetic, for every type, at
 row counts that fill 4-row tiles and ragged ones, output counts that fill the 16-row panels
 and ragged ones (the half panels of AVX2's 8 lanes too), writing every output (NaN-poisoned
 buffers), float32 and bfloat16 activations."""
@@ -13,16 +13,13 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from pagedserve.kernels import gguf_ops, q8_reference
+from tests.kernels.gguf_blocks import TYPES, random_blocks, width
 
 pytestmark = pytest.mark.usefixtures("isa")
 
-TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-
 
 def _blocks(qtype, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
-    blocks = quants.quantize(w, qtype)
-    return torch.from_numpy(blocks), torch.from_numpy(quants.dequantize(blocks, qtype))
+    return random_blocks(qtype, n, k, seed)
 
 
 def _x(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -36,6 +33,7 @@ def _x(rows: int, k: int, seed: int) -> torch.Tensor:
                                               (4, 48, 576), (5, 37, 320), (9, 5, 32),
                                               (70, 37, 192)])
 def test_every_variant_equals_the_torch_reference(qtype, rows, n, k):
+    k = width(qtype, k)  # K-quants: whole 256-weight blocks
     blocks, values = _blocks(qtype, n, k, seed=rows * 7 + n)
     x = _x(rows, k, seed=rows + k)
     want = q8_reference.gguf_q8_linear(x, blocks, int(qtype))
@@ -43,7 +41,11 @@ def test_every_variant_equals_the_torch_reference(qtype, rows, n, k):
     exact = x @ values.T
     assert (want - exact).abs().max() < 0.05 * exact.abs().max()
     packed = gguf_ops.gguf_q8_repack(blocks, int(qtype), k)
-    assert packed.shape == (-(-n // 16) * 16, blocks.shape[1])
+    assert packed.shape == (-(-n // 16) * 16, gguf_ops.row_bytes(int(qtype), k, packed=True))
+    # The panels hold the same weights: rows read back equal gguf-py's, bit for bit.
+    index = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(gguf_ops.gguf_q8_dequantize_rows(packed, int(qtype), k, index),
+                       values[index])
     for variant in gguf_ops.q8_variants():
         out = torch.full((rows, n), float("nan"))
         got = gguf_ops.gguf_q8_linear(x, packed, int(qtype), n, variant=variant, out=out)

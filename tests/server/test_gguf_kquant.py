@@ -1,0 +1,51 @@
+"""A ``_K_M``-style GGUF (Q4_K/Q5_K/Q6_K with the Q5_0/Q5_1 fallbacks, mixed inside the fused
+q/k/v and gate/up modules, a tied Q6_K embedding) served from the file with every tensor kept
+quantized: greedy output in the exact mode equals transformers' own GGUF loading, and the int8
+mode (the CPU default) serves it with no de-quantized tensor either, within 1.1x the file."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import chat_prompt_ids, serve, stats, stream_chat
+
+PROMPT = "Name three colours of the rainbow."
+
+
+def _resident(model: dict) -> dict:
+    resident = model["weights_resident"]
+    assert resident["dequantized_tensors"] == 0 and resident["dequantized_types"] == []
+    assert resident["quantized_bytes"] + resident["float_bytes"] \
+        <= 1.1 * resident["file_tensor_bytes"]
+    return resident
+
+
+async def test_kquant_gguf_greedy_parity_with_transformers(kquant_gguf_path,
+                                                          default_model_dir):
+    async with serve(kquant_gguf_path, quantization="gguf", max_model_len=144,
+                     dtype="float32") as c:
+        model = (await stats(c))["config"]["model"]
+        _, tokens, _ = await stream_chat(c, PROMPT, max_tokens=12, ignore_eos=True)
+    _resident(model)
+    assert model["cpu_linear_paths"][0]["path"] == "exact"
+    ids = chat_prompt_ids(default_model_dir, PROMPT)  # the same SmolLM2 tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(kquant_gguf_path.parent,
+                                              gguf_file=kquant_gguf_path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert tokens == out[0, len(ids):].tolist()
+
+
+async def test_kquant_gguf_int8_mode_keeps_every_tensor_quantized(kquant_gguf_path):
+    async with serve(kquant_gguf_path, quantization="gguf", max_model_len=144,
+                     dtype="bfloat16", cpu_linear_mode="int8") as c:
+        model = (await stats(c))["config"]["model"]
+        text, tokens, _ = await stream_chat(c, PROMPT, max_tokens=8, ignore_eos=True)
+    resident = _resident(model)
+    assert model["cpu_linear_paths"][0]["path"] == "int8"
+    # Q4_K / Q5_K panels carry their scales decoded: a few percent over the file, no more.
+    assert resident["quantized_bytes"] > 0.9 * resident["file_tensor_bytes"]
+    assert len(tokens) == 8 and text
