@@ -71,10 +71,10 @@ def main() -> None:
                 for label, isa, variant, w in cases:
                     with cpu_ops.use_isa(isa):
                         if variant is None:
-                            def fn(w=w):
+                            def fn(w=w, x=x, qtype=qtype):
                                 return gguf_ops.gguf_linear(x, w, qtype)
                         else:
-                            def fn(w=w, variant=variant):
+                            def fn(w=w, variant=variant, x=x, qtype=qtype):
                                 return gguf_ops.gguf_q8_linear(x, w, qtype, args.n,
                                                                variant=variant)
                         fn()
