@@ -10,9 +10,11 @@ transformers' ``LlamaTensorProcessor`` reverses it; qwen2 files are not permuted
 from __future__ import annotations
 
 import mmap
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -52,14 +54,108 @@ class GGUFFile:
 
 
 def open_gguf(path: Path) -> GGUFFile:
-    """Raises ``ValueError`` (from gguf-py) for a file that is not GGUF."""
-    from gguf import GGUFReader
+    """The file's tensors, mapped. Its header is read by ``_read_index`` (gguf-py's
+    ``GGUFReader`` spends seconds building objects for the ~100k tokenizer strings of every
+    file, which our loading never reads: the tokenizer comes from the metadata folder); a file
+    that index cannot read goes through ``GGUFReader``.
 
-    reader = GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-    tensors = {t.name: t for t in reader.tensors}
+    Raises ``ValueError`` (from gguf-py) for a file that is not GGUF.
+    """
+    try:
+        arch, tensors, data = _read_index(path)
+        reader = SimpleNamespace(data=data)
+    except (ValueError, struct.error, OSError):
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        field = reader.fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+        tensors = {t.name: t for t in reader.tensors}
     return GGUFFile(path, reader, arch, tensors, sum(int(t.n_bytes) for t in tensors.values()))
+
+
+# GGUF metadata value types (gguf-py's GGUFValueType) -> bytes of one scalar; 8: string, 9: array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_ITEM_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+                "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+def _read_index(path: Path):
+    """(architecture, ``{name: gguf.ReaderTensor}``, the file's ``np.memmap``) from a
+    little-endian GGUF v2/v3 header (llama.cpp's ``gguf.h`` layout), skipping every metadata
+    value but ``general.architecture`` and ``general.alignment``. The tensors' ``data`` are views
+    of the mapping shaped as ``GGUFReader`` shapes them (bytes for block types).
+
+    Raises:
+        ValueError: not such a file (the caller falls back to ``GGUFReader``).
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
+    from gguf.quants import quant_shape_to_byte_shape
+
+    data = np.memmap(path, mode="r")
+    buf = data._mmap  # the mmap itself: struct reads without numpy per field
+    if bytes(buf[:4]) != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
+        raise ValueError(f"{path}: not a little-endian GGUF v2/v3 file")
+    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    pos, arch, alignment = 24, "", 32
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8:at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+    def skip(vtype: int, at: int) -> int:
+        if vtype in _SCALAR_BYTES:
+            return at + _SCALAR_BYTES[vtype]
+        if vtype == 8:
+            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+        if vtype != 9:
+            raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+        etype, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if etype in _SCALAR_BYTES:
+            return at + count * _SCALAR_BYTES[etype]
+        for _ in range(count):  # strings (the vocabulary), or nested arrays
+            at = skip(etype, at)
+        return at
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if key == "general.architecture" and vtype == 8:
+            arch, pos = string(pos)
+        elif key == "general.alignment" and vtype == 4:
+            (alignment,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+        else:
+            pos = skip(vtype, pos)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, dims, GGMLQuantizationType(qtype), offset))
+    start = -(-pos // alignment) * alignment
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        n_elems = int(np.prod(dims))
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = n_elems * type_size // block
+        np_dims = tuple(reversed(dims))
+        at = start + offset
+        if at + n_bytes > data.shape[0] or name in tensors:
+            raise ValueError(f"{path}: tensor {name} is out of the file or repeated")
+        item = _ITEM_DTYPES.get(qtype.name)
+        if item is None:  # block types: bytes, [..., row_bytes]
+            view = data[at:at + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, qtype))
+        else:
+            view = data[at:at + n_bytes].view(item).reshape(np_dims)
+        tensors[name] = ReaderTensor(name=name, tensor_type=qtype,
+                                     shape=np.array(dims, dtype=np.uint64), n_elements=n_elems,
+                                     n_bytes=n_bytes, data_offset=at, data=view, field=None)
+    return arch, tensors, data
 
 
 def interleaved_heads(name: str, arch: str, config: PretrainedConfig) -> int:
