@@ -32,11 +32,22 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose pages are resident only once written (an anonymous mapping;
-    page-aligned). The tensor keeps the mapping alive."""
+    page-aligned). The tensor keeps the mapping alive.
+
+    The mapping asks for transparent huge pages (``MADV_HUGEPAGE``; honoured where THP is
+    ``always`` or ``madvise``): a KV cache's decode writes one token row per layer per step,
+    4 KB apart, so with 4 KB pages every new token of every sequence faulted a fresh page per
+    layer and K/V (1.7B model, 32 streams: ~1500 faults, 22 ms of a 360 ms step on a VM). With
+    2 MB pages residency grows in 2 MB steps per tensor instead."""
     count = prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: 4 KB pages, as before
+            pass
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
