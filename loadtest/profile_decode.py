@@ -12,6 +12,8 @@ with de-quantized weights; ``--prefill`` also times a step prefilling the batch'
         --quantization gguf,none --breakdown
     .venv/bin/python loadtest/profile_decode.py --batch 8 --context 256 --dtype bfloat16 \
         --quantization gguf --prefill --breakdown
+    .venv/bin/python loadtest/profile_decode.py --model /tmp/shape-1.7b/Q4_K_M.gguf \
+        --batch 1,32 --dtype bfloat16 --quantization gguf --breakdown
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def _timed_parts(totals: dict[str, float]):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="a model folder or .gguf file (default: the embedded SmolLM2-135M)")
     p.add_argument("--batch", default="1,8,32")
     p.add_argument("--dtype", default="float32,bfloat16")
     p.add_argument("--context", type=int, default=200)
@@ -134,7 +138,9 @@ def main() -> None:
     if args.threads:  # read by ModelRunner.load, which sets torch's thread count
         os.environ["PAGEDSERVE_CPU_THREADS"] = str(args.threads)
     for dtype, quant in itertools.product(args.dtype.split(","), args.quantization.split(",")):
-        runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048, quantization=quant),
+        extra = {"model": args.model} if args.model else {}
+        runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048, quantization=quant,
+                                         **extra),
                              CacheConfig(num_gpu_blocks_override=2400))
         runner.load()
         for batch in [int(b) for b in args.batch.split(",")]:

@@ -293,21 +293,27 @@ using IV = I8;
 // int16 pair sums are added up to kPer products in int16 and then widened by one vpmaddwd:
 // llama.cpp's trick, two instructions a product instead of three. kPer keeps the int16 sums
 // exact: codes below 16 (Q4): 8 (8 * 2 * 15 * 127 < 32768); below 32 (Q5): 4; below 64: 2.
-template <class V, int kPer>
+// kChains > 1 (VNNI, tiles of few rows): products alternate between independent accumulators,
+// so one row's chain of dependent vpdpbusd does not bound a decode step.
+template <class V, int kPer, int kChains = 1>
 struct DotSum {
-  typename V::I acc, s16;
+  typename V::I acc, acc2, s16;
   int n;
-  explicit DotSum(typename V::I init) : acc(init), s16(V::zero()), n(0) {}
+  explicit DotSum(typename V::I init) : acc(init), acc2(V::zero()), s16(V::zero()), n(0) {}
   DotSum() : DotSum(V::zero()) {}
   void add(typename V::I u, typename V::I x) {
     if constexpr (kVnni) {
-      acc = V::dot(acc, u, x);
+      if (kChains > 1 && (n++ & 1)) acc2 = V::dot(acc2, u, x);
+      else acc = V::dot(acc, u, x);
     } else {
       s16 = n ? V::add16(s16, V::pairs(u, x)) : V::pairs(u, x);
       if (++n == kPer) acc = V::widen(acc, s16), n = 0;
     }
   }
-  typename V::I sum() const { return !kVnni && n ? V::widen(acc, s16) : acc; }
+  typename V::I sum() const {
+    if constexpr (kVnni) return kChains > 1 ? V::add(acc, acc2) : acc;
+    return n ? V::widen(acc, s16) : acc;
+  }
 };
 
 // The tile's float accumulators into out (row-major, ldo), the first ``cols`` columns.
@@ -358,8 +364,9 @@ inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64
       }
     } else {
       constexpr bool q5 = TYPE == Q5_0 || TYPE == Q5_1;
-      DotSum<V, q5 ? 4 : 8> dots[MR];
-      for (int r = 0; r < MR; ++r) dots[r] = DotSum<V, q5 ? 4 : 8>(ai[r]);
+      using Dots = DotSum<V, q5 ? 4 : 8, MR <= 2 ? 2 : 1>;
+      Dots dots[MR];
+      for (int r = 0; r < MR; ++r) dots[r] = Dots(ai[r]);
       typename V::I qh = V::zero();
       if constexpr (q5) qh = V::load(blk + high_off(TYPE) + lane0 * 4);
 #pragma GCC unroll 4
@@ -403,8 +410,9 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, int
     const uint8_t* blk = panel + b * PR * pb;
     const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
     const typename V::F dmin = V::halves(blk + tail + 288 + lane0 * 2);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      DotSum<V, TYPE == Q4_K ? 8 : 4> lo_acc[MR], hi_acc[MR];
+      DotSum<V, TYPE == Q4_K ? 8 : 4, MR <= 2 ? 2 : 1> lo_acc[MR], hi_acc[MR];
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const typename V::I raw = V::load(blk + (8 * j + g) * 64 + lane0 * 4);
@@ -448,13 +456,15 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, i
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
     const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
+#pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, s4 = s % 4;
-      DotSum<V, 2> ia[MR], ib[MR];
+      using Dots = DotSum<V, 2, MR <= 2 ? 2 : 1>;
+      Dots ia[MR], ib[MR];
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (r0 + r) * nb + b * 8 + s;
-        ia[r] = DotSum<V, 2>(V::set1(-32 * qx.sum16[2 * i]));
-        ib[r] = DotSum<V, 2>(V::set1(-32 * qx.sum16[2 * i + 1]));
+        ia[r] = Dots(V::set1(-32 * qx.sum16[2 * i]));
+        ib[r] = Dots(V::set1(-32 * qx.sum16[2 * i + 1]));
       }
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
