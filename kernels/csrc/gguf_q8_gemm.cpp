@@ -417,7 +417,7 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, int
   for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0 && lane0 == 0) prefetch(blk + PR * pb, PR * pb);
+    if (r0 == 0 && lane0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
     const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
     const typename V::F dmin = V::halves(blk + tail + 288 + lane0 * 2);
 #pragma GCC unroll 4
@@ -465,7 +465,7 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, i
   for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0 && lane0 == 0) prefetch(blk + PR * pb, PR * pb);
+    if (r0 == 0 && lane0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
     const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
