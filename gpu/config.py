@@ -55,9 +55,9 @@ class ModelConfig:
         "choices": ("auto", "float32", "bfloat16", "float16"),
     })
     quantization: str | None = field(default=None, metadata={
-        "help": "gguf: keep a .gguf model's Q4_0/Q4_1/Q8_0 weights quantized and multiply them "
-                "in place, in float32 (CPU only; refused elsewhere and for non-GGUF models); "
-                "none: de-quantize to --dtype at load",
+        "help": "gguf: keep a .gguf model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights "
+                "quantized and multiply them in place (CPU only; refused elsewhere and for "
+                "non-GGUF models); none: de-quantize to --dtype at load",
         "choices": ("gguf", "none"), "aliases": ("-q",),
         "default_text": "gguf for a .gguf model on the CPU, else none",
     })

@@ -77,7 +77,8 @@ VLLM_QUANTIZATION = frozenset({
 })
 QUANTIZATION_INSTEAD = (
     "pagedserve runs unquantized checkpoints (in --dtype) and .gguf files "
-    "(Q4_0/Q4_1/Q8_0 blocks kept quantized on the CPU: --quantization gguf); "
+    "(Q4_0 ... Q8_0 and Q4_K/Q5_K/Q6_K blocks kept quantized on the CPU: "
+    "--quantization gguf); "
     "serve the unquantized model or a GGUF of it"
 )
 
