@@ -52,20 +52,27 @@ def default_model_dir() -> Path:
     return loader.convert_gguf(loader.embedded_gguf_path())
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
-    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer."""
+def _random_llama(path: Path, seed: int, hidden: int, intermediate: int) -> Path:
+    """A 2-layer random Llama (4 heads, 2 KV heads, SmolLM2's vocabulary size, tied
+    embeddings) saved in ``path``."""
     from transformers import LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
         initializer_range=0.1,  # spread logits so greedy argmax has no near-ties
     )
     LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer."""
+    path = _random_llama(tmp_path_factory.mktemp("tiny-llama"), 1234, 64, 128)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
     return path
@@ -97,19 +104,9 @@ def kquant_gguf_path(tmp_path_factory, default_model_dir) -> Path:
     """A 2-layer random Llama wide enough for K-quant blocks (hidden 256, MLP 512, 4 heads of
     64, 2 KV heads), written with ``gguf_tiny.KQUANT``'s Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 mix and a
     tied Q6_K embedding, as llama.cpp's ``_K_M`` files are."""
-    from transformers import LlamaForCausalLM
-
     from tests.gguf_tiny import KQUANT, Q, write_tiny_gguf
 
-    path = tmp_path_factory.mktemp("kquant-llama")
-    torch.manual_seed(4321)
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
-        initializer_range=0.1,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    path = _random_llama(tmp_path_factory.mktemp("kquant-llama"), 4321, 256, 512)
     out = tmp_path_factory.mktemp("kquant-gguf") / "tiny-kquant.gguf"
     return write_tiny_gguf(path, loader.embedded_gguf_path(), out, loader.load_config(path),
                            KQUANT, embedding=Q.Q6_K)
@@ -123,6 +120,18 @@ def _hf_model(path: str):
 @lru_cache(maxsize=4)
 def hf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
+
+
+def hf_gguf_greedy(gguf: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own GGUF loading (its de-quantized float32 model) of file ``gguf``:
+    greedy ``generate``'s new tokens for ``prompt_ids``, ``max_new_tokens`` of them."""
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                          do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
 
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

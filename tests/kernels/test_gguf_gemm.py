@@ -15,13 +15,9 @@ from tests.kernels.gguf_blocks import TYPES, block_weights, random_blocks, width
 pytestmark = pytest.mark.usefixtures("isa")
 
 
-def _quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return random_blocks(qtype, n, k, seed)
-
-
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_is_bit_equal_to_gguf_py(qtype):
-    blocks, values = _quantized(qtype, 33, 512)
+    blocks, values = random_blocks(qtype, 33, 512)
     bb = gguf_ops.GGUF_BLOCK_BYTES[int(qtype)]
     assert blocks.shape[1] == 512 // block_weights(qtype) * bb
     assert torch.equal(gguf_ops.gguf_dequantize(blocks, int(qtype), 512), values)
@@ -33,7 +29,7 @@ def test_dequantize_is_bit_equal_to_gguf_py(qtype):
 def test_linear_equals_float64_product(qtype, rows, generic):
     # n not a multiple of the 4-row panel; k of 16-wide vectors and blocks (K-quants: 2 blocks)
     n, k = 37, width(qtype, 320)
-    blocks, values = _quantized(qtype, n, k, seed=rows)
+    blocks, values = random_blocks(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = x.double() @ values.double().T
     got = gguf_ops.gguf_linear(x, blocks, int(qtype), generic=generic)
@@ -48,7 +44,7 @@ def test_linear_equals_float64_product(qtype, rows, generic):
 
 
 def test_linear_keeps_leading_dims_and_rejects_bad_input():
-    blocks, values = _quantized(GGMLQuantizationType.Q4_1, 8, 64)
+    blocks, values = random_blocks(GGMLQuantizationType.Q4_1, 8, 64)
     x = torch.randn(2, 3, 64)
     out = gguf_ops.gguf_linear(x, blocks, 3)
     assert out.shape == (2, 3, 8)

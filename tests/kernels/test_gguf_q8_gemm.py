@@ -18,10 +18,6 @@ from tests.kernels.gguf_blocks import TYPES, random_blocks, width
 pytestmark = pytest.mark.usefixtures("isa")
 
 
-def _blocks(qtype, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return random_blocks(qtype, n, k, seed)
-
-
 def _x(rows: int, k: int, seed: int) -> torch.Tensor:
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
     x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
@@ -34,7 +30,7 @@ def _x(rows: int, k: int, seed: int) -> torch.Tensor:
                                               (70, 37, 192)])
 def test_every_variant_equals_the_torch_reference(qtype, rows, n, k):
     k = width(qtype, k)  # K-quants: whole 256-weight blocks
-    blocks, values = _blocks(qtype, n, k, seed=rows * 7 + n)
+    blocks, values = random_blocks(qtype, n, k, seed=rows * 7 + n)
     x = _x(rows, k, seed=rows + k)
     want = q8_reference.gguf_q8_linear(x, blocks, int(qtype))
     # The int8 arithmetic is a close approximation of the float product, not equal to it.
@@ -73,7 +69,7 @@ def test_reference_quantizes_like_llama_cpp_q8_0():
 
 
 def test_rejects_bad_input():
-    blocks, _ = _blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=0)
+    blocks, _ = random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=0)
     packed = gguf_ops.gguf_q8_repack(blocks, 3, 64)
     x = torch.randn(2, 3, 64)
     assert gguf_ops.gguf_q8_linear(x, packed, 3, 8).shape == (2, 3, 8)

@@ -5,10 +5,7 @@ mode (the CPU default) serves it with no de-quantized tensor either, within 1.1x
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM
-
-from tests.conftest import chat_prompt_ids, serve, stats, stream_chat
+from tests.conftest import chat_prompt_ids, hf_gguf_greedy, serve, stats, stream_chat
 
 PROMPT = "Name three colours of the rainbow."
 
@@ -30,13 +27,7 @@ async def test_kquant_gguf_greedy_parity_with_transformers(kquant_gguf_path,
     _resident(model)
     assert model["cpu_linear_paths"][0]["path"] == "exact"
     ids = chat_prompt_ids(default_model_dir, PROMPT)  # the same SmolLM2 tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(kquant_gguf_path.parent,
-                                              gguf_file=kquant_gguf_path.name,
-                                              dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    assert tokens == out[0, len(ids):].tolist()
+    assert tokens == hf_gguf_greedy(kquant_gguf_path, ids, 12)
 
 
 async def test_kquant_gguf_int8_mode_keeps_every_tensor_quantized(kquant_gguf_path):

@@ -5,10 +5,7 @@ what is resident."""
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM
-
-from tests.conftest import chat_prompt_ids, serve, stats, stream_chat
+from tests.conftest import chat_prompt_ids, hf_gguf_greedy, serve, stats, stream_chat
 
 PROMPT = "Name three colours of the rainbow."
 
@@ -24,10 +21,4 @@ async def test_mixed_gguf_greedy_parity_with_transformers(mixed_gguf_path, defau
         <= 1.1 * resident["file_tensor_bytes"]
     assert model["cpu_linear_paths"][0]["path"] == "exact"
     ids = chat_prompt_ids(default_model_dir, PROMPT)  # the same SmolLM2 tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(mixed_gguf_path.parent,
-                                              gguf_file=mixed_gguf_path.name,
-                                              dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    assert tokens == out[0, len(ids):].tolist()
+    assert tokens == hf_gguf_greedy(mixed_gguf_path, ids, 12)
