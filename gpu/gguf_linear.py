@@ -94,8 +94,12 @@ class GGUFLinear(nn.Module):
         bias: float ``[out]`` in the model dtype, or None.
         plan: the mode the parts were made for (``/admin/stats``); None: exact.
 
-    Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype.
+    Input ``[..., in]`` float32 or bfloat16 → ``[..., out]`` in the same dtype. Float32 costs
+    what bfloat16 does (both kernels multiply in float32 or int8; only the output is rounded),
+    so a model's ``lm_head`` passes float32 for unrounded logits (``float32_out_free``).
     """
+
+    float32_out_free = True
 
     def __init__(self, parts: list[LinearPart], in_features: int,
                  bias: torch.Tensor | None = None, plan: linear_bands.LinearPlan | None = None):

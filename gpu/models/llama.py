@@ -321,6 +321,8 @@ class LlamaForCausalLM(nn.Module):
         only, gathered over the tensor-parallel ranks; float32 ``[len(rows), vocab]``, or
         ``None`` on a rank that does not sample."""
         x, _ = self.model.norm(x[rows], residual[rows])
+        if getattr(self.lm_head, "float32_out_free", False):
+            x = x.float()  # float32 out: bfloat16 rounding of the logits never picks a token
         logits = self.lm_head(x)  # gathered before the cast: half the bytes in bfloat16
         if self.parallel is not None:
             logits = self.parallel.gather_logits(logits, self.config.vocab_size)
