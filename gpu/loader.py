@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
+from pagedserve.gpu.gguf_metadata import read_config_and_tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -100,8 +101,7 @@ def gguf_metadata_dir(gguf: Path) -> Path:
 
     start = time.perf_counter()
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config, tokenizer = read_config_and_tokenizer(gguf.parent, gguf.name)
     except Exception as e:  # transformers raises many kinds for unreadable files
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
     if hasattr(config, "quantization_config"):
