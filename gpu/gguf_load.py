@@ -9,8 +9,12 @@ one holding the file's tensors (``gguf_file.open_gguf`` maps the file):
   consecutive parts of one type stacked into one panel set);
 - ``token_embd`` stays quantized (``GGUFEmbedding``), and a tied ``lm_head`` multiplies by the
   same tensor;
-- a type no kernel multiplies (``gguf_ops.GGUF_TYPES`` has the ones that are) is de-quantized
-  for that tensor only (a ``float`` part), named in one log line; norms and biases are float.
+- a type the mode's kernel does not read is de-quantized for that tensor only (a ``float``
+  part), named in one log line: the exact kernel reads every type of ``gguf_ops.GGUF_TYPES``,
+  the int8 one those with panels (``GGUF_PACKED_BYTES``); Q2_K, Q3_K, IQ4_NL and IQ4_XS have
+  none yet, and the exact kernel's scalar decoder for them is 10-17x slower than a bfloat16
+  copy (``loadtest/RESULTS.md``), so ``int8`` / ``auto`` de-quantize them and only ``exact``
+  keeps them in place; norms and biases are float.
 
 With no plan (``--quantization none``) every tensor is de-quantized into plain ``nn.Linear`` /
 ``nn.Embedding`` modules, our way (gguf-py's ``quants.dequantize``, as transformers does).
@@ -94,13 +98,20 @@ class _Builder:
         heads = gf.interleaved_heads(name, self.f.arch, self.config)
         return unpermute(values, heads) if heads else values
 
+    def kept(self, qtype: int) -> bool:
+        """Whether the plan's kernel reads ``qtype`` in place (see the module docstring)."""
+        if self.plan is None:
+            return False
+        return qtype in (gguf_ops.GGUF_TYPES if self.plan.path == "exact"
+                         else gguf_ops.GGUF_PACKED_BYTES)
+
     def linear(self, names: list[str], biases: list[str] | None) -> nn.Module:
         ts = [self.tensor(n + ".weight") for n in names]
         k = gf.in_features(ts[0])
         if any(gf.in_features(t) != k for t in ts):
             raise ModelLoadError(f"{self.f.path}: {', '.join(names)} differ in input width")
         bias = None if biases is None else torch.cat([self.float_tensor(b) for b in biases])
-        kernel = [int(t.tensor_type) in gguf_ops.GGUF_TYPES for t in ts]
+        kernel = [self.kept(int(t.tensor_type)) for t in ts]
         if self.plan is None or not any(kernel):
             if self.plan is not None:
                 self.dequantized.update({t.name: t.tensor_type.name for t in ts})
@@ -121,7 +132,7 @@ class _Builder:
         for t in ts:
             qtype, heads = int(t.tensor_type), gf.interleaved_heads(t.name, self.f.arch,
                                                                       self.config)
-            if qtype not in gguf_ops.GGUF_TYPES:
+            if not self.kept(qtype):
                 flush(last)
                 self.dequantized[t.name] = t.tensor_type.name
                 parts.append(LinearPart("float", self.float_tensor(t.name), qtype,
@@ -143,7 +154,8 @@ class _Builder:
         emb = self.tensor("token_embd.weight")
         qtype, k = int(emb.tensor_type), gf.in_features(emb)
         tied = tied or "output.weight" not in self.f.tensors
-        if self.plan is None or qtype not in gguf_ops.GGUF_TYPES:
+        if self.plan is None or qtype not in gguf_ops.GGUF_TYPES or (
+                tied and not self.kept(qtype)):  # a tied head runs the plan's kernel
             if self.plan is not None:
                 self.dequantized[emb.name] = emb.tensor_type.name
             embed = nn.Embedding.from_pretrained(self.float_tensor(emb.name), freeze=True)

@@ -15,17 +15,21 @@ from pagedserve.kernels import cpu_ops
 from pagedserve.kernels.cpu_ops import _SUFFIX, _kernel, error, load
 
 # GGML type id -> (name, weights per block, bytes per block, bytes per block in the int8
-# kernel's panels), as ggml-common.h lays them out: the formats our kernels multiply in place.
-# Legacy types have 32-weight blocks, K-quants 256-weight super-blocks; Q4_K / Q5_K panels keep
-# their 6-bit scales decoded to bytes (4 bytes per block more, 2.8 %).
-GGUF_TYPES: dict[int, tuple[str, int, int, int]] = {
+# kernel's panels or None), as ggml-common.h lays them out: the formats our kernels multiply in
+# place. Legacy types have 32-weight blocks, K-quants 256-weight super-blocks; Q4_K / Q5_K
+# panels keep their 6-bit scales decoded to bytes (4 bytes per block more, 2.8 %). Q2_K, Q3_K,
+# IQ4_NL and IQ4_XS have no int8 panels: the exact kernel reads them in every mode.
+GGUF_TYPES: dict[int, tuple[str, int, int, int | None]] = {
     2: ("Q4_0", 32, 18, 18), 3: ("Q4_1", 32, 20, 20), 6: ("Q5_0", 32, 22, 22),
     7: ("Q5_1", 32, 24, 24), 8: ("Q8_0", 32, 34, 34), 12: ("Q4_K", 256, 144, 148),
     13: ("Q5_K", 256, 176, 180), 14: ("Q6_K", 256, 210, 210),
+    10: ("Q2_K", 256, 84, None), 11: ("Q3_K", 256, 110, None), 20: ("IQ4_NL", 32, 18, None),
+    23: ("IQ4_XS", 256, 136, None),
 }
 GGUF_BLOCK_BYTES = {t: v[2] for t, v in GGUF_TYPES.items()}  # bytes per block
 GGUF_BLOCK_WEIGHTS = {t: v[1] for t, v in GGUF_TYPES.items()}  # weights per block
-GGUF_PACKED_BYTES = {t: v[3] for t, v in GGUF_TYPES.items()}  # bytes per block in panels
+# bytes per block in panels, for the types the int8 kernel multiplies
+GGUF_PACKED_BYTES = {t: v[3] for t, v in GGUF_TYPES.items() if v[3] is not None}
 GGUF_BLOCK_SIZE = 32  # the smallest block: tensor-parallel splits are multiples of it
 
 
@@ -38,9 +42,11 @@ def row_bytes(qtype: int, in_features: int, packed: bool = False) -> int:
 
 def _check_gguf(qweight: torch.Tensor, qtype: int, in_features: int,
                 packed: bool = False) -> None:
-    if qtype not in GGUF_TYPES:
-        names = ", ".join(f"{v[0]} ({t})" for t, v in GGUF_TYPES.items())
-        raise ValueError(f"GGML type {qtype} has no kernel here; these do: {names}")
+    kinds = GGUF_PACKED_BYTES if packed else GGUF_TYPES
+    if qtype not in kinds:
+        names = ", ".join(f"{GGUF_TYPES[t][0]} ({t})" for t in kinds)
+        mode = "int8 " if packed else ""
+        raise ValueError(f"GGML type {qtype} has no {mode}kernel here; these do: {names}")
     if in_features % GGUF_BLOCK_WEIGHTS[qtype]:
         raise ValueError(f"{in_features} inputs are not whole {GGUF_TYPES[qtype][0]} blocks "
                          f"of {GGUF_BLOCK_WEIGHTS[qtype]}")
@@ -143,6 +149,8 @@ def gguf_q8_repack(qweight: torch.Tensor, qtype: int, in_features: int) -> torch
     if lib is None:
         raise RuntimeError(f"cpu kernels unavailable: {error()}")
     _check_gguf(qweight, qtype, in_features)
+    if qtype not in GGUF_PACKED_BYTES:
+        _check_gguf(qweight, qtype, in_features, packed=True)  # raises: no int8 kernel
     n = qweight.shape[0]
     padded = -(-n // Q8_PANEL_ROWS) * Q8_PANEL_ROWS
     out = torch.empty((padded, row_bytes(qtype, in_features, packed=True)), dtype=torch.uint8)

@@ -112,6 +112,18 @@ def kquant_gguf_path(tmp_path_factory, default_model_dir) -> Path:
                            KQUANT, embedding=Q.Q6_K)
 
 
+@pytest.fixture(scope="session")
+def lowbit_gguf_path(tmp_path_factory, default_model_dir) -> Path:
+    """The K-quant fixture's random Llama written with ``gguf_tiny.LOWBIT``'s Q2_K / Q3_K /
+    IQ4_NL / IQ4_XS mix and a tied Q3_K embedding: types with no int8 panels."""
+    from tests.gguf_tiny import LOWBIT, Q, write_tiny_gguf
+
+    path = _random_llama(tmp_path_factory.mktemp("lowbit-llama"), 4321, 256, 512)
+    out = tmp_path_factory.mktemp("lowbit-gguf") / "tiny-lowbit.gguf"
+    return write_tiny_gguf(path, loader.embedded_gguf_path(), out, loader.load_config(path),
+                           LOWBIT, embedding=Q.Q3_K)
+
+
 @lru_cache(maxsize=4)
 def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -111,6 +111,90 @@ def kquantize(t: np.ndarray, qtype) -> np.ndarray:
     return np.concatenate([*head, qs], axis=-1).reshape(n, -1)
 
 
+# The low-bit types a Q2_K / Q3_K_M / IQ4_XS file holds, none of them with int8 panels: every
+# module mixes them, and the tied embedding is Q3_K.
+LOWBIT = {"attn_q": Q.IQ4_XS, "attn_k": Q.Q3_K, "attn_v": Q.IQ4_NL, "attn_output": Q.Q2_K,
+          "ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_XS, "ffn_down": Q.Q2_K}
+_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                  dtype=np.float32)
+
+
+def _nearest_iq4(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Indices into kvalues_iq4nl of ``x / step`` (``step`` broadcast), uint8."""
+    y = x / np.where(step == 0, 1, step)
+    return np.abs(y[..., None] - _IQ4NL).argmin(-1).astype(np.uint8)
+
+
+def _nibbles(idx: np.ndarray) -> np.ndarray:
+    """32 indices per row ``[..., 32]`` as 16 bytes: weight l low nibble, l + 16 high."""
+    return idx[..., :16] | (idx[..., 16:] << 4)
+
+
+def lowbit_quantize(t: np.ndarray, qtype) -> np.ndarray:
+    """``[n, k]`` float32 as Q2_K, Q3_K, IQ4_NL or IQ4_XS blocks ``[n, row_bytes]`` (gguf-py
+    has no quantizer for them): plain max / min-max fits, llama.cpp's block layouts
+    (``ggml-common.h``), valid blocks of sensible weights for the tests."""
+    n, k = t.shape
+    if qtype == Q.IQ4_NL:
+        x = t.reshape(-1, 32).astype(np.float32)
+        d = (np.abs(x).max(-1) / 127).astype(_F16)
+        idx = _nearest_iq4(x, d.astype(np.float32)[:, None])
+        return np.concatenate([d.reshape(-1, 1).view(np.uint8), _nibbles(idx)], -1).reshape(n, -1)
+    x = t.reshape(-1, 256).astype(np.float32)
+    nb = x.shape[0]
+    if qtype == Q.IQ4_XS:
+        sub = x.reshape(nb, 8, 32)
+        scale = np.abs(sub).max(-1) / 127
+        d = (scale.max(-1) / 31).astype(_F16)
+        sc = np.clip(np.round(scale / np.where(d == 0, 1, d).astype(np.float32)[:, None]),
+                     -32, 31).astype(np.int32)
+        idx = _nearest_iq4(sub, (d.astype(np.float32)[:, None] * sc)[..., None])
+        ls = (sc + 32).astype(np.uint16)
+        sh = np.zeros(nb, dtype=np.uint16)
+        for s_ in range(8):
+            sh |= (ls[:, s_] >> 4) << (2 * s_)
+        sl = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+        return np.concatenate([d.reshape(nb, 1).view(np.uint8), sh.reshape(nb, 1).view(np.uint8),
+                               sl, _nibbles(idx).reshape(nb, 128)], -1).reshape(n, -1)
+    g = x.reshape(nb, 16, 16)
+    q2 = np.zeros((nb, 64), dtype=np.uint8)  # weight 128 j + 32 s + l: byte 32 j + l, bits 2 s
+    if qtype == Q.Q2_K:
+        lo, hi = np.minimum(g.min(-1), 0), g.max(-1)
+        scale, mins = (hi - lo) / 3, -lo
+        d, dmin = (scale.max(-1) / 15).astype(_F16), (mins.max(-1) / 15).astype(_F16)
+        fd, fm = (np.where(v == 0, 1, v).astype(np.float32)[:, None] for v in (d, dmin))
+        sc = np.clip(np.round(scale / fd), 0, 15).astype(np.uint8)
+        m = np.clip(np.round(mins / fm), 0, 15).astype(np.uint8)
+        step = d.astype(np.float32)[:, None] * sc
+        off = dmin.astype(np.float32)[:, None] * m
+        q = np.clip(np.round((g + off[..., None]) / np.where(step == 0, 1, step)[..., None]),
+                    0, 3).astype(np.uint8).reshape(nb, 2, 4, 32)
+        for s_ in range(4):
+            q2 |= (q[:, :, s_] << (2 * s_)).reshape(nb, 64)
+        return np.concatenate([sc | (m << 4), q2, d.reshape(nb, 1).view(np.uint8),
+                               dmin.reshape(nb, 1).view(np.uint8)], -1).reshape(n, -1)
+    # Q3_K: q in -4..3, q + 4 = 4 * hbit + q2; signed 6-bit scales per 16
+    scale = np.abs(g).max(-1) / 4
+    d = (scale.max(-1) / 31).astype(_F16)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1, d).astype(np.float32)[:, None]),
+                 -32, 31).astype(np.int32)
+    step = d.astype(np.float32)[:, None] * sc
+    q = (np.clip(np.round(g / np.where(step == 0, 1, step)[..., None]), -4, 3) + 4).astype(
+        np.uint8).reshape(nb, 8, 32)  # [sub-block s, l]
+    hmask = np.zeros((nb, 32), dtype=np.uint8)
+    for s_ in range(8):
+        hmask |= (q[:, s_] >> 2) << s_
+    qq = (q & 3).reshape(nb, 2, 4, 32)
+    for s_ in range(4):
+        q2 |= (qq[:, :, s_] << (2 * s_)).reshape(nb, 64)
+    ls = (sc + 32).astype(np.uint8)
+    scales = np.zeros((nb, 12), dtype=np.uint8)
+    scales[:, :8] = (ls[:, :8] & 15) | ((ls[:, 8:] & 15) << 4)
+    for i in range(4):
+        scales[:, 8 + i] = sum((ls[:, 4 * j + i] >> 4) << (2 * j) for j in range(4))
+    return np.concatenate([hmask, q2, scales, d.reshape(nb, 1).view(np.uint8)], -1).reshape(n, -1)
+
+
 def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
                     types: dict | None = None, embedding=Q.Q8_0) -> Path:
     """``model_dir``'s float32 safetensors as ``out`` (a .gguf file); ``types``: GGUF short
@@ -139,6 +223,8 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
             w.add_tensor(name, t.astype(np.float16))
         elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
             w.add_tensor(name, kquantize(t, qtype), raw_dtype=qtype)
+        elif qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):
+            w.add_tensor(name, lowbit_quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 

@@ -15,6 +15,14 @@
 //   Q6_K  14  256    210     c = sc_t * (q6 - 32),      dw = d        (t: the 16-weight group)
 //
 // (d, dmin, m: fp16; sc_s, m_s: 6-bit, packed 8 + 8 in 12 bytes; Q6_K's sc_t: int8 per 16.)
+//
+// Four more types only the exact kernel reads (in place, through the scalar decoder; the int8
+// kernel has no panels for them, so their layers run exact in every mode):
+//
+//   Q2_K   10  256     84     w = fma(d * sc_t, q2, -(dmin * m_t))  (sc_t, m_t: 4-bit per 16)
+//   Q3_K   11  256    110     w = d * sc_t * (q2 - 4 * !hbit)       (sc_t: 6-bit - 32, per 16)
+//   IQ4_NL 20   32     18     w = d * kv[nibble]                    (kv: kvalues_iq4nl)
+//   IQ4_XS 23  256    136     w = (d * sc_s) * kv[nibble]           (sc_s: 6-bit - 32, per 32)
 // The K-quant products dw = d * sc and d * sc * (q6 - 32) are exact in float32 (at most 24
 // significant bits), as in gguf-py.
 //
@@ -37,17 +45,25 @@
 namespace {
 
 constexpr int64_t QK = 32, PR = 16;  // weights per sub-block; rows per panel
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+                 Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
+// The types with int8 panels (gguf_q8_gemm.cpp).
 constexpr bool known_type(int64_t t) {
   return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K ||
          t == Q5_K || t == Q6_K;
 }
+constexpr bool exact_only(int64_t t) {
+  return t == Q2_K || t == Q3_K || t == IQ4_NL || t == IQ4_XS;
+}
 constexpr bool k_quant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
-constexpr int64_t block_weights(int64_t t) { return k_quant(t) ? 256 : 32; }
+constexpr int64_t block_weights(int64_t t) {
+  return k_quant(t) || t == Q2_K || t == Q3_K || t == IQ4_XS ? 256 : 32;
+}
 constexpr int64_t block_bytes(int64_t t) {
   return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q5_1 ? 24 : t == Q8_0 ? 34
-       : t == Q4_K ? 144 : t == Q5_K ? 176 : 210;
+       : t == Q4_K ? 144 : t == Q5_K ? 176 : t == Q6_K ? 210 : t == Q2_K ? 84 : t == Q3_K ? 110
+       : t == IQ4_NL ? 18 : 136;
 }
 constexpr int64_t packed_bytes(int64_t t) {
   return t == Q4_K ? 148 : t == Q5_K ? 180 : block_bytes(t);
@@ -164,10 +180,67 @@ inline void dequant_sub(const B& blk, int s, float* dst) {
   for (int l = 0; l < 32; ++l) dst[l] = std::fma(dw, static_cast<float>(c[l]), mw);
 }
 
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                               1,    13,   25,  38,  53,  69,  89,  113};
+
+// Sub-block s's 32 weights of an exact-only type's file block ``b`` (see the table above),
+// bit-equal to gguf-py: one exact product (and Q2_K's one rounding subtraction) per weight.
+inline void dequant_sub_exact_only(const uint8_t* b, int64_t t, int s, float* dst) {
+  switch (t) {
+    case Q2_K: {  // scales[16] qs[64] d dmin; q2 of weight 32 s + l: qs[32 (s / 4) + l] >> 2 (s % 4)
+      const float d = fp16(b + 80), dmin = fp16(b + 82);
+      const uint8_t* q = b + 16 + 32 * (s / 4);
+      const int shift = 2 * (s % 4);
+      for (int h = 0; h < 2; ++h) {
+        const int sc = b[2 * s + h];
+        const float dl = d * static_cast<float>(sc & 15), ml = -(dmin * static_cast<float>(sc >> 4));
+        for (int l = 16 * h; l < 16 * h + 16; ++l)
+          dst[l] = std::fma(dl, static_cast<float>((q[l] >> shift) & 3), ml);
+      }
+      return;
+    }
+    case Q3_K: {  // hmask[32] qs[64] scales[12] d
+      const float d = fp16(b + 108);
+      const uint8_t *sc = b + 96, *q = b + 32 + 32 * (s / 4);
+      const int shift = 2 * (s % 4);
+      for (int h = 0; h < 2; ++h) {
+        const int g = 2 * s + h;
+        const int lo = g < 8 ? sc[g] & 15 : sc[g - 8] >> 4, hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+        const float dl = d * static_cast<float>((lo | hi << 4) - 32);
+        for (int l = 16 * h; l < 16 * h + 16; ++l) {
+          const int v = ((q[l] >> shift) & 3) - (((b[l] >> s) & 1) ? 0 : 4);
+          dst[l] = dl * static_cast<float>(v);
+        }
+      }
+      return;
+    }
+    case IQ4_NL: {  // d qs[16]
+      const float d = fp16(b);
+      for (int l = 0; l < 16; ++l) {
+        dst[l] = d * static_cast<float>(kIQ4NL[b[2 + l] & 15]);
+        dst[l + 16] = d * static_cast<float>(kIQ4NL[b[2 + l] >> 4]);
+      }
+      return;
+    }
+    default: {  // IQ4_XS: d scales_h(u16) scales_l[4] qs[128]
+      const int h = (b[2] | b[3] << 8) >> (2 * s) & 3, lo = (b[4 + s / 2] >> (4 * (s % 2))) & 15;
+      const float dl = fp16(b) * static_cast<float>((lo | h << 4) - 32);
+      const uint8_t* q = b + 8 + 16 * s;
+      for (int l = 0; l < 16; ++l) {
+        dst[l] = dl * static_cast<float>(kIQ4NL[q[l] & 15]);
+        dst[l + 16] = dl * static_cast<float>(kIQ4NL[q[l] >> 4]);
+      }
+      return;
+    }
+  }
+}
+
 // A file row's 32-weight sub-block i (over the whole row).
 inline void dequant_row_sub(int64_t t, const uint8_t* row, int64_t i, float* dst) {
   const int64_t per = block_weights(t) / QK;
-  dequant_sub(FileBlock{row + i / per * block_bytes(t), t}, static_cast<int>(i % per), dst);
+  const uint8_t* b = row + i / per * block_bytes(t);
+  if (exact_only(t)) return dequant_sub_exact_only(b, t, static_cast<int>(i % per), dst);
+  dequant_sub(FileBlock{b, t}, static_cast<int>(i % per), dst);
 }
 
 // One row's block into its panel region at ``lane``.

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W[N, K]^T with W kept in GGUF's quantized blocks (every type of
-// gguf_blocks.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the layout llama.cpp writes
+// gguf_blocks.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), the layout llama.cpp writes
 // (ggml-common.h). A decode step on a CPU is bound by reading the weights: SmolLM2-135M's
 // Q4_1/Q8_0 file is 96 MB per step against 270 MB de-quantized to bfloat16.
 //
@@ -228,6 +228,10 @@ void gguf_linear(const T* x_in, const uint8_t* w, T* out, int64_t m, int64_t n, 
       case Q4_K: gemm_simd<Vec, Q4_K>(x, w, out, m, n, k); return;
       case Q5_K: gemm_simd<Vec, Q5_K>(x, w, out, m, n, k); return;
       case Q6_K: gemm_simd<Vec, Q6_K>(x, w, out, m, n, k); return;
+      case Q2_K: gemm_simd<Vec, Q2_K>(x, w, out, m, n, k); return;
+      case Q3_K: gemm_simd<Vec, Q3_K>(x, w, out, m, n, k); return;
+      case IQ4_NL: gemm_simd<Vec, IQ4_NL>(x, w, out, m, n, k); return;
+      case IQ4_XS: gemm_simd<Vec, IQ4_XS>(x, w, out, m, n, k); return;
       default: break;
     }
   }

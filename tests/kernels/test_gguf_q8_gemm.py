@@ -12,8 +12,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from pagedserve.gpu import gguf_linear
 from pagedserve.kernels import gguf_ops, q8_reference
-from tests.kernels.gguf_blocks import TYPES, random_blocks, width
+from tests.kernels.gguf_blocks import EXACT_ONLY, TYPES, random_blocks, width
 
 pytestmark = pytest.mark.usefixtures("isa")
 
@@ -81,3 +82,17 @@ def test_rejects_bad_input():
         gguf_ops.gguf_q8_linear(torch.randn(1, 96), packed, 3, 8)
     with pytest.raises(ValueError, match="padded to 16"):
         gguf_ops.gguf_q8_linear(x, blocks, 3, 8)  # not repacked: 8 rows
+
+
+@pytest.mark.parametrize("qtype", EXACT_ONLY)
+def test_types_without_panels_are_refused_and_run_exact(qtype):
+    """Q2_K, Q3_K, IQ4_NL, IQ4_XS have no int8 kernel: repacking says so, and a layer asked for
+    int8 keeps the file's rows for the exact kernel (still no de-quantized copy)."""
+    k = width(qtype, 256)
+    blocks, values = random_blocks(qtype, 5, k, seed=1)
+    with pytest.raises(ValueError, match="no int8 kernel"):
+        gguf_ops.gguf_q8_repack(blocks, int(qtype), k)
+    part = gguf_linear.quantized_part(blocks, int(qtype), k, "int8")
+    assert part.path == "exact" and torch.equal(part.weight, blocks)
+    x = torch.randn(3, k)
+    torch.testing.assert_close(part.run(x), x @ values.T, rtol=1e-5, atol=1e-4)

@@ -1,7 +1,9 @@
 """A ``_K_M``-style GGUF (Q4_K/Q5_K/Q6_K with the Q5_0/Q5_1 fallbacks, mixed inside the fused
 q/k/v and gate/up modules, a tied Q6_K embedding) served from the file with every tensor kept
 quantized: greedy output in the exact mode equals transformers' own GGUF loading, and the int8
-mode (the CPU default) serves it with no de-quantized tensor either, within 1.1x the file."""
+mode (the CPU default) serves it with no de-quantized tensor either, within 1.1x the file.
+The same for a low-bit mix (Q2_K, Q3_K, IQ4_NL, IQ4_XS, tied Q3_K embedding), whose types the
+exact kernel reads in every mode."""
 
 from __future__ import annotations
 
@@ -40,3 +42,24 @@ async def test_kquant_gguf_int8_mode_keeps_every_tensor_quantized(kquant_gguf_pa
     # Q4_K / Q5_K panels carry their scales decoded: a few percent over the file, no more.
     assert resident["quantized_bytes"] > 0.9 * resident["file_tensor_bytes"]
     assert len(tokens) == 8 and text
+
+
+async def test_lowbit_gguf_greedy_parity_and_kept_in_place(lowbit_gguf_path, default_model_dir):
+    async with serve(lowbit_gguf_path, quantization="gguf", max_model_len=144,
+                     dtype="float32") as c:  # float32: the exact kernel, every tensor in place
+        _resident((await stats(c))["config"]["model"])
+        _, tokens, _ = await stream_chat(c, PROMPT, max_tokens=12, ignore_eos=True)
+    ids = chat_prompt_ids(default_model_dir, PROMPT)
+    assert tokens == hf_gguf_greedy(lowbit_gguf_path, ids, 12)
+
+
+async def test_lowbit_types_without_panels_are_dequantized_in_int8_mode(lowbit_gguf_path):
+    """No int8 panels for these types: the int8 mode (the CPU default) de-quantizes them (the
+    exact kernel's decoder would be slower than the copy), names them, and still serves."""
+    async with serve(lowbit_gguf_path, quantization="gguf", max_model_len=144,
+                     dtype="bfloat16", cpu_linear_mode="int8") as c:
+        resident = (await stats(c))["config"]["model"]["weights_resident"]
+        text, tokens, _ = await stream_chat(c, PROMPT, max_tokens=6, ignore_eos=True)
+    assert sorted(resident["dequantized_types"]) == ["IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"]
+    assert resident["dequantized_tensors"] == 2 * 7 + 1  # every layer tensor, the embedding
+    assert len(tokens) == 6 and text
