@@ -290,12 +290,18 @@ class AsyncEngine(GenerateMixin):
 
     @property
     def failure(self) -> str | None:
-        """Why the engine cannot serve any more (a worker process died), else ``None``."""
-        return self.executor.failure
+        """Why the engine cannot serve any more (an actor crashed, a worker process died; its
+        requests have failed), else ``None``."""
+        return self.scheduler.failure or self.executor.failure
 
     async def wait_failed(self) -> None:
-        """Until the engine has failed for good (a worker died); never, in one process."""
-        await self.executor.dead.wait()
+        """Until the engine has failed for good: the scheduler or the executor is dead."""
+        waits = [asyncio.ensure_future(a.dead.wait()) for a in (self.scheduler, self.executor)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

@@ -126,6 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
     from pagedserve.actors.dp_launch import run_headless, start_engine
+    from pagedserve.actors.errors import EngineDeadError
     from pagedserve.server.app import build_app
     from pagedserve.server.launch import hypercorn_config
 
@@ -163,7 +164,10 @@ async def serve(args: argparse.Namespace) -> None:
             return
         log.info("shutdown_started", timeout_s=server.shutdown_timeout)
         app.draining = True
-        await engine.drain(server.shutdown_timeout)
+        try:
+            await engine.drain(server.shutdown_timeout)
+        except EngineDeadError:  # it died meanwhile: its requests have failed already
+            log.error("engine_failed", reason=engine.failure)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
