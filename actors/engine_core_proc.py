@@ -290,6 +290,12 @@ def main() -> None:
     except Exception:  # noqa: BLE001  (logged; the front sees the exit)
         log.exception("engine_core_failed")
         sys.exit(1)
+    # Stopped cleanly (engine shut down, socket closed after its linger): skip the
+    # interpreter's finalization, seconds of garbage-collecting torch's and transformers'
+    # modules that the API server would wait for (server/cli.py's _exit_now).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
