@@ -258,8 +258,14 @@ class AsyncEngine(GenerateMixin):
         return await reply
 
     async def drain(self, timeout: float) -> None:
-        """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
-        rest (their clients get an error saying the server is shutting down)."""
+        """End the requests still waiting to start at once, let the running ones finish for
+        up to ``timeout`` seconds, then end the rest (their clients get an error saying the
+        server is shutting down; 503 before the first token, in-band after).
+
+        Raises:
+            EngineDeadError: the engine died (its requests have failed already).
+        """
+        self.scheduler.send(AbortAll("server shutting down", unstarted_only=True))
         try:
             await asyncio.wait_for(self.wait_idle(), timeout)
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on; 3.10 is supported

@@ -147,6 +147,19 @@ class Scheduler(Actor):
             merged.add_transfers(out)
         return merged
 
+    def _abort_all(self, msg: AbortAll) -> None:
+        """End every request with ``msg.reason`` (an ``abort`` for its client), or only the
+        waiting ones that have produced nothing (a beam search keeps its grace)."""
+        if msg.unstarted_only:
+            ended = [r for r in [*self.waiting, *self.waiting_for_grammar.values()]
+                     if not r.output_token_ids and r.beam_group is None]
+        else:
+            self.beams.abort_all(msg.reason)
+            ended = list(self.requests.values())
+        for request in ended:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
+
     def _fail_request(self, request_id: str, e: Exception) -> None:
         """End one request (its whole search, for a beam) with ``e`` as its error: a 500 for
         its client; the others carry on."""
@@ -200,10 +213,7 @@ class Scheduler(Actor):
         elif isinstance(msg, GrammarReady):
             self._grammar_ready(msg.request_id)
         elif isinstance(msg, AbortAll):
-            self.beams.abort_all(msg.reason)
-            for request in list(self.requests.values()):
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-                request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
+            self._abort_all(msg)
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
