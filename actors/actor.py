@@ -2,6 +2,12 @@
 
 Other tasks talk to an actor only by ``send``-ing messages; replies travel in futures carried by
 the messages. No locks are needed because nothing outside the actor's task reads its state.
+
+An exception that escapes ``run()`` kills the actor, never silently: it is logged with its
+traceback, ``failure`` says why and ``dead`` is set (the engine is then dead: ``/health`` 503,
+the server exits non-zero), ``on_crash`` fails whatever the actor held, and every message sent
+to it from then on is refused at once (``refuse``), so no caller waits on a reply that cannot
+come (vLLM's ``EngineDeadError``).
 """
 
 from __future__ import annotations
@@ -11,21 +17,30 @@ from typing import Any
 
 import structlog
 
+from pagedserve.actors.errors import EngineDeadError
+
 log = structlog.get_logger(__name__)
 
 
 class Actor:
-    """Subclasses implement ``run()``: a loop that reads ``self.mailbox``."""
+    """Subclasses implement ``run()``: a loop that reads ``self.mailbox``; ``refuse`` and
+    ``on_crash`` when their messages carry replies or they hold requests."""
 
     name = "actor"
 
     def __init__(self) -> None:
         self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self.failure: str | None = None  # why the actor died; None while it lives
+        self.dead = asyncio.Event()
 
     def send(self, msg: Any) -> None:
-        """Post a message; never blocks (the mailbox is unbounded)."""
-        self.mailbox.put_nowait(msg)
+        """Post a message; never blocks (the mailbox is unbounded). To a dead actor, the
+        message is refused at once (its reply, if any, fails with ``EngineDeadError``)."""
+        if self.failure is not None:
+            self.refuse(msg, EngineDeadError(self.failure))
+        else:
+            self.mailbox.put_nowait(msg)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._main(), name=self.name)
@@ -35,9 +50,38 @@ class Actor:
             await self.run()
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except EngineDeadError as e:  # an actor it depends on died (and logged why)
+            log.error("actor_dead", actor=self.name, reason=str(e))
+            self.die(str(e))
+        except Exception as e:
             log.exception("actor_crashed", actor=self.name)
-            raise
+            self.die(f"the {self.name} crashed: {type(e).__name__}: {e}")
+
+    def die(self, reason: str) -> None:
+        """Mark the actor dead: fail what it held (``on_crash``) and what waits in its
+        mailbox (``refuse``). Idempotent."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.dead.set()
+        error = EngineDeadError(reason)
+        try:
+            self.on_crash(error)
+        except Exception:  # the state may be what broke; the mailbox must still be answered
+            log.exception("actor_crash_cleanup_failed", actor=self.name)
+        while not self.mailbox.empty():
+            self.refuse(self.mailbox.get_nowait(), error)
+
+    def refuse(self, msg: Any, error: EngineDeadError) -> None:
+        """Answer ``msg`` with ``error`` instead of handling it: fail the futures it carries
+        (``reply``, ``accepted``) that nobody answered yet."""
+        for name in ("reply", "accepted"):
+            fut = getattr(msg, name, None)
+            if isinstance(fut, asyncio.Future) and not fut.done():
+                fut.set_exception(error)
+
+    def on_crash(self, error: EngineDeadError) -> None:
+        """Fail what the actor holds (its requests); the base actor holds nothing."""
 
     async def run(self) -> None:
         raise NotImplementedError

@@ -24,6 +24,7 @@ transformers, the oracle.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, replace
 
@@ -31,8 +32,36 @@ NEG = -1.0e9  # transformers' "never pick this" offset
 
 
 def f32(x: float) -> float:
-    """``x`` rounded to float32 (what a float32 tensor would hold)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+    """``x`` rounded to float32 (what a float32 tensor would hold: ``±inf`` past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # struct refuses what float32 arithmetic would make infinite
+        return math.copysign(math.inf, x)
+
+
+# |log(length ** penalty)| under which the float32 power is finite and not zero (e ** 87 is
+# about 6e37, below float32's 3.4e38; e ** -87 is above its smallest normal, 1.2e-38).
+_LOG_F32_RANGE = 87.0
+
+
+def length_normalized(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """``cum_logprob / length ** length_penalty`` in float32, as transformers computes it, for
+    any finite penalty: where the power would leave float32's range the division is done in
+    log space and saturates (to ``-0.0`` past the top, ``-inf`` below the bottom) instead of
+    raising ``OverflowError`` or ``ZeroDivisionError``.
+
+    Args:
+        cum_logprob: a sum of logprobs (<= 0).
+        length: generated tokens, >= 1.
+        length_penalty: any finite float.
+    """
+    log_denom = length_penalty * math.log(length)
+    if abs(log_denom) < _LOG_F32_RANGE:  # the ordinary case: bit for bit transformers' rounding
+        return f32(cum_logprob / f32(float(length) ** length_penalty))
+    if cum_logprob == 0.0:
+        return 0.0
+    log_score = math.log(abs(cum_logprob)) - log_denom
+    return -f32(math.exp(min(log_score, 709.0)))  # exp(709) is finite in float64; f32 → inf
 
 
 @dataclass(slots=True)
@@ -100,6 +129,8 @@ class BeamSearch:
     def __init__(self, params: BeamSearchParams, eos_token_ids: frozenset[int]):
         if params.beam_width < 1 or params.max_tokens < 1:
             raise ValueError("beam search needs beam_width >= 1 and max_tokens >= 1")
+        if not math.isfinite(params.length_penalty):
+            raise ValueError(f"length_penalty must be finite, not {params.length_penalty}")
         if params.beam_width == 1:  # transformers decodes greedily then: the first end stops it
             params = replace(params, early_stopping=True)
         self.params = params
@@ -149,11 +180,10 @@ class BeamSearch:
         """Merge this round's ended candidates among the first ``k`` into the ``k`` best
         hypotheses (transformers' ``_update_finished_beams``)."""
         k = self.params.beam_width
-        denom = f32(float(self.num_generated) ** self.params.length_penalty)
         full = all(h.finished for h in self.hypotheses) and self.params.early_stopping is True
         merged = list(self.hypotheses)
         for j, (cum, i, tok) in enumerate(cands):
-            score = f32(cum / denom)
+            score = length_normalized(cum, self.num_generated, self.params.length_penalty)
             if full:
                 score = f32(score + NEG)
             if not self.improvable:
@@ -171,7 +201,7 @@ class BeamSearch:
         p = self.params
         length = (p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0.0
                   else self.num_generated)
-        best_possible = f32(best_running / f32(float(length) ** p.length_penalty))
+        best_possible = length_normalized(best_running, length, p.length_penalty)
         worst = min(h.score for h in self.hypotheses)
         self.improvable = self.improvable and any(
             best_possible > (worst if h.finished else NEG) for h in self.hypotheses)

@@ -258,8 +258,14 @@ class AsyncEngine(GenerateMixin):
         return await reply
 
     async def drain(self, timeout: float) -> None:
-        """Let running and waiting requests finish for up to ``timeout`` seconds, then end the
-        rest (their clients get an error saying the server is shutting down)."""
+        """End the requests still waiting to start at once, let the running ones finish for
+        up to ``timeout`` seconds, then end the rest (their clients get an error saying the
+        server is shutting down; 503 before the first token, in-band after).
+
+        Raises:
+            EngineDeadError: the engine died (its requests have failed already).
+        """
+        self.scheduler.send(AbortAll("server shutting down", unstarted_only=True))
         try:
             await asyncio.wait_for(self.wait_idle(), timeout)
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on; 3.10 is supported
@@ -290,12 +296,18 @@ class AsyncEngine(GenerateMixin):
 
     @property
     def failure(self) -> str | None:
-        """Why the engine cannot serve any more (a worker process died), else ``None``."""
-        return self.executor.failure
+        """Why the engine cannot serve any more (an actor crashed, a worker process died; its
+        requests have failed), else ``None``."""
+        return self.scheduler.failure or self.executor.failure
 
     async def wait_failed(self) -> None:
-        """Until the engine has failed for good (a worker died); never, in one process."""
-        await self.executor.dead.wait()
+        """Until the engine has failed for good: the scheduler or the executor is dead."""
+        waits = [asyncio.ensure_future(a.dead.wait()) for a in (self.scheduler, self.executor)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def shutdown(self) -> None:
         await self.scheduler.stop()

@@ -102,17 +102,25 @@ class EngineCoreServer:
             self.send(stats)
 
     async def run(self) -> None:
-        """Serve until ``ShutdownMsg`` (or ``stopped`` is set from outside)."""
+        """Serve until ``ShutdownMsg`` (or ``stopped`` is set from outside).
+
+        Raises:
+            RuntimeError: the engine died (an actor crashed): the process exits non-zero and
+                the front fails this engine's requests, as for any dead engine process.
+        """
         beat = asyncio.create_task(self._heartbeat())
         recv = asyncio.create_task(self._receive())
         stop = asyncio.create_task(self.stopped.wait())
         gone = asyncio.create_task(self._front_gone())
+        failed = asyncio.create_task(self.engine.wait_failed())
         try:
-            await asyncio.wait([recv, stop, gone], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([recv, stop, gone, failed], return_when=asyncio.FIRST_COMPLETED)
             if recv.done():
                 recv.result()  # a receive loop that raised says why here
+            if failed.done():
+                raise RuntimeError(f"the engine failed: {self.engine.failure}")
         finally:
-            for task in (beat, recv, stop, gone, *self.tasks.values()):
+            for task in (beat, recv, stop, gone, failed, *self.tasks.values()):
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
@@ -282,6 +290,12 @@ def main() -> None:
     except Exception:  # noqa: BLE001  (logged; the front sees the exit)
         log.exception("engine_core_failed")
         sys.exit(1)
+    # Stopped cleanly (engine shut down, socket closed after its linger): skip the
+    # interpreter's finalization, seconds of garbage-collecting torch's and transformers'
+    # modules that the API server would wait for (server/cli.py's _exit_now).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

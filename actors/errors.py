@@ -15,3 +15,8 @@ class DuplicateRequestId(ValueError):
 
 class EngineShuttingDown(EngineError):
     """The server ended the request while shutting down. → 503"""
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot serve any more (an actor crashed, a worker died); every request it
+    held failed with this (vLLM's name). → 503 for a new request, 500 for one it held"""

@@ -14,6 +14,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.actors.actor import Actor
+from pagedserve.actors.errors import EngineDeadError
 from pagedserve.actors.messages import ExecuteModel
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
@@ -29,10 +30,8 @@ class Executor(Actor):
     def __init__(self, runner: ModelRunner):
         super().__init__()
         self.runner = runner
-        # The interface of the multi-process executors: never set here (a failed step fails
-        # its requests and the engine serves on).
-        self.failure: str | None = None
-        self.dead = asyncio.Event()
+        # failure / dead (Actor's): set only if this loop crashes; a failed step fails its
+        # requests (the scheduler reruns them one by one) and the engine serves on.
         # One thread: the runner and its tensors are only ever touched from it.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-executor")
 
@@ -44,9 +43,17 @@ class Executor(Actor):
         loop = asyncio.get_running_loop()
         while True:
             msg: ExecuteModel = await self.mailbox.get()
-            step = loop.run_in_executor(self._thread, self.runner.execute_model,
-                                        msg.scheduler_output)
-            step.add_done_callback(functools.partial(_answer, msg.reply))
+            try:
+                self._submit(loop, msg)
+            except Exception as e:  # the loop dies (Actor._main); this step's caller learns it
+                self.refuse(msg, EngineDeadError(f"the executor crashed: {type(e).__name__}: {e}"))
+                raise
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, msg: ExecuteModel) -> None:
+        """Queue the step on the runner's thread; its output or error answers ``msg.reply``."""
+        step = loop.run_in_executor(self._thread, self.runner.execute_model,
+                                    msg.scheduler_output)
+        step.add_done_callback(functools.partial(_answer, msg.reply))
 
     async def stop(self) -> None:
         await super().stop()

@@ -42,9 +42,12 @@ class GrammarReady:
 
 @dataclass(slots=True)
 class AbortAll:
-    """Shutdown → scheduler: end every request (their streams report ``reason``)."""
+    """Shutdown → scheduler: end every request (their streams report ``reason``); with
+    ``unstarted_only``, those still waiting that have no output yet (a drain's start: only
+    running requests get its grace)."""
 
     reason: str
+    unstarted_only: bool = False
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from pagedserve.actors.actor import Actor
 from pagedserve.actors.beam_group import BeamScheduler
 from pagedserve.actors.beam_search import BeamSearch
 from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.actors.errors import DuplicateRequestId, EngineDeadError, EngineOverloaded
 from pagedserve.actors.inflight import InFlight, in_flight_depth
 from pagedserve.actors.kv_cache_manager import KVCacheManager
 from pagedserve.actors.kv_event_publisher import KVEventPublisher
@@ -48,7 +48,7 @@ from pagedserve.actors.spec_decode import num_accepted
 from pagedserve.actors.stats import SpecDecodeStats, StatLogger, StepHistory
 from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.actors.structured_output import advance, grammar_bitmask
-from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
+from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.kv_connector.base import KVConnectorScheduler
 
 log = structlog.get_logger(__name__)
@@ -135,22 +135,53 @@ class Scheduler(Actor):
         for sr in so.scheduled:
             try:  # copies are idempotent: each rerun may repeat them
                 out = await self.inflight.execute([sr], so.blocks_to_copy)
+            except EngineDeadError:
+                raise  # the executor is gone: no request can run, the engine is dead
             except Exception as e:
                 log.exception("request_failed", request_id=sr.req_id)
-                request = self.requests.get(sr.req_id)
-                if request is not None and request.beam_group is not None:
-                    self.beams.fail(request, RequestStatus.FINISHED_ERROR,
-                                    f"{type(e).__name__}: {e}")
-                elif request is not None:
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
-                    request.output_queue.put_nowait(
-                        RequestOutput([], "error", f"{type(e).__name__}: {e}"))
+                self._fail_request(sr.req_id, e)
                 continue
             merged.sampled_token_ids.update(out.sampled_token_ids)
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
             merged.add_transfers(out)
         return merged
+
+    def _abort_all(self, msg: AbortAll) -> None:
+        """End every request with ``msg.reason`` (an ``abort`` for its client), or only the
+        waiting ones that have produced nothing (a beam search keeps its grace)."""
+        if msg.unstarted_only:
+            ended = [r for r in [*self.waiting, *self.waiting_for_grammar.values()]
+                     if not r.output_token_ids and r.beam_group is None]
+        else:
+            self.beams.abort_all(msg.reason)
+            ended = list(self.requests.values())
+        for request in ended:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
+
+    def _fail_request(self, request_id: str, e: Exception) -> None:
+        """End one request (its whole search, for a beam) with ``e`` as its error: a 500 for
+        its client; the others carry on."""
+        request = self.requests.get(request_id)
+        message = f"{type(e).__name__}: {e}"
+        if request is not None and request.beam_group is not None:
+            self.beams.fail(request, RequestStatus.FINISHED_ERROR, message)
+        elif request is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            request.output_queue.put_nowait(RequestOutput([], "error", message))
+
+    def on_crash(self, error: EngineDeadError) -> None:
+        """The loop died: every request still held (waiting, running, parked) gets ``error``
+        at once, and whoever waits for idleness is told (the engine will never be idle)."""
+        for request in list(self.requests.values()):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.output_queue.put_nowait(RequestOutput([], "error", str(error)))
+        self.requests.clear()
+        for reply in self.idle_waiters:
+            if not reply.done():
+                reply.set_exception(error)
+        self.idle_waiters.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or (self.transfer and self.transfer.parked))
@@ -182,10 +213,7 @@ class Scheduler(Actor):
         elif isinstance(msg, GrammarReady):
             self._grammar_ready(msg.request_id)
         elif isinstance(msg, AbortAll):
-            self.beams.abort_all(msg.reason)
-            for request in list(self.requests.values()):
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-                request.output_queue.put_nowait(RequestOutput([], "abort", msg.reason))
+            self._abort_all(msg)
         elif isinstance(msg, GetStats):
             if not msg.reply.done():
                 msg.reply.set_result(self.stats())
@@ -318,39 +346,49 @@ class Scheduler(Actor):
             request = self.requests.get(sr.req_id)
             if request is None or request.status != RequestStatus.RUNNING or sr.req_id in drop:
                 continue
-            if sr.req_id in out.prompt_logprobs:
-                request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
-            new = out.sampled_token_ids.get(sr.req_id)
-            accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
-            request.num_computed_tokens += len(sr.token_ids) + accepted
-            if sr.spec_token_ids:
-                self.spec_decode.record(len(sr.spec_token_ids), accepted)
-            if not new:
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request.beam_group is not None:
-                self.beams.on_sampled(request, out.logprobs[sr.req_id][0])
-                continue
-            status = None
-            first = not request.output_token_ids
-            logprobs = out.logprobs.get(sr.req_id)
-            for i, token in enumerate(new):  # with drafts, a stop among them ends the output
-                request.output_token_ids.append(token)
-                status = advance(request, [token]) or self._check_stop(request)
-                if status is not None:
-                    new = new[: i + 1]
-                    logprobs = logprobs[: i + 1] if logprobs is not None else None
-                    break
-            self.kv.update_block_hashes(request)
+            try:  # what one request's tokens raise fails that request, not the engine
+                self._update_request(request, sr, out, now)
+            except Exception as e:
+                log.exception("request_failed", request_id=sr.req_id, where="update")
+                self._fail_request(sr.req_id, e)
+
+    def _update_request(self, request: Request, sr: ScheduledRequest,
+                        out: ModelRunnerOutput, now: float) -> None:
+        """Apply one running request's step: its computed tokens, its sampled tokens (to the
+        beam search for a beam), its stop check, and its output to its queue."""
+        if sr.req_id in out.prompt_logprobs:
+            request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
+        new = out.sampled_token_ids.get(sr.req_id)
+        accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
+        request.num_computed_tokens += len(sr.token_ids) + accepted
+        if sr.spec_token_ids:
+            self.spec_decode.record(len(sr.spec_token_ids), accepted)
+        if not new:
+            return
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.beam_group is not None:
+            self.beams.on_sampled(request, out.logprobs[sr.req_id][0])
+            return
+        status = None
+        first = not request.output_token_ids
+        logprobs = out.logprobs.get(sr.req_id)
+        for i, token in enumerate(new):  # with drafts, a stop among them ends the output
+            request.output_token_ids.append(token)
+            status = advance(request, [token]) or self._check_stop(request)
             if status is not None:
-                self._finish(request, status)
-            output = RequestOutput(new, FINISH_REASONS.get(status), logprobs=logprobs)
-            if first:
-                output.num_cached_tokens = request.num_cached_tokens
-                if request.sampling_params.prompt_logprobs is not None:
-                    output.prompt_logprobs = request.prompt_logprobs
-            request.output_queue.put_nowait(output)
+                new = new[: i + 1]
+                logprobs = logprobs[: i + 1] if logprobs is not None else None
+                break
+        self.kv.update_block_hashes(request)
+        if status is not None:
+            self._finish(request, status)
+        output = RequestOutput(new, FINISH_REASONS.get(status), logprobs=logprobs)
+        if first:
+            output.num_cached_tokens = request.num_cached_tokens
+            if request.sampling_params.prompt_logprobs is not None:
+                output.prompt_logprobs = request.prompt_logprobs
+        request.output_queue.put_nowait(output)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
+from pagedserve.actors.errors import DuplicateRequestId, EngineDeadError, EngineOverloaded
 from pagedserve.server.errors import OpenAIError
 
 
@@ -17,9 +17,15 @@ def check_priority(body: Any, policy: str) -> None:
                           param="priority")
 
 
-def admission_error(e: EngineOverloaded | DuplicateRequestId) -> OpenAIError:
-    """The engine's refusal as HTTP: overloaded → 503 with ``Retry-After``, a request id
-    already in use → 400 on ``X-Request-Id``."""
+ADMISSION_ERRORS = (EngineOverloaded, DuplicateRequestId, EngineDeadError)
+
+
+def admission_error(e: EngineOverloaded | DuplicateRequestId | EngineDeadError) -> OpenAIError:
+    """The engine's refusal as HTTP: overloaded → 503 with ``Retry-After``, a dead engine →
+    503 (it will not come back: no ``Retry-After``), a request id already in use → 400 on
+    ``X-Request-Id``."""
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(f"the engine is dead: {e}", status=503)
     if isinstance(e, EngineOverloaded):
         return OpenAIError(str(e), status=503, headers={"Retry-After": "1"})
     return OpenAIError(str(e), status=400, param="X-Request-Id")

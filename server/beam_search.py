@@ -16,15 +16,10 @@ from starlette.responses import JSONResponse
 
 from pagedserve.actors.beam_group import BeamSearchOutput, BeamSearchStream
 from pagedserve.actors.beam_search import BeamSearchParams
-from pagedserve.actors.errors import (
-    DuplicateRequestId,
-    EngineError,
-    EngineOverloaded,
-    EngineShuttingDown,
-)
+from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.request_stream import RequestStream
 from pagedserve.gpu.sampling_params import SamplingParams
-from pagedserve.server.admission import admission_error, check_priority
+from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.responses import (
     DisconnectWatch,
@@ -82,7 +77,7 @@ async def start_beam_search(engine: Any, request_id: str, prompt_ids: list[int],
             request_id, prompt_ids, beam_search_params(body, params),
             stop_token_ids=list(body.stop_token_ids), priority=body.priority,
             cache_salt=body.cache_salt)
-    except (EngineOverloaded, DuplicateRequestId) as e:
+    except ADMISSION_ERRORS as e:
         raise admission_error(e) from e
 
 

@@ -76,7 +76,8 @@ class ServerConfig:
         "help": "larger request bodies get 413",
     })
     shutdown_timeout: float = field(default=10.0, metadata={
-        "help": "seconds running requests may take to finish after SIGTERM",
+        "help": "seconds running requests may take to finish after SIGTERM (a second "
+                "SIGTERM/SIGINT: none)",
     })
     disable_access_log: bool = field(default=False, metadata={
         "help": "no `access` log line per request (method, path, status, duration, request id)",

@@ -108,7 +108,9 @@ class _SamplingBody(StructuredOutputFields, _Body):
     truncation_side: Literal["left", "right"] | None = None
     # Beam search (vLLM's fields; n is the width; server/beam_search.py).
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    # Finite and within ±10 (vLLM takes any float): past that, length ** penalty leaves
+    # float32 for a few thousand tokens and only the length ranks (actors/beam_search.py).
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")

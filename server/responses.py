@@ -224,6 +224,11 @@ class _Tally:
         """Prompt tokens the prefix cache held: per prompt, as its first choice found them."""
         return sum(self.cached[::n])
 
+    def end_unfinished(self, reason: str) -> None:
+        """The choices still running were ended from outside (``abort``: the shutdown;
+        ``error``): say so in the summary, which would otherwise log ``None``."""
+        self.finish = [f or reason for f in self.finish]
+
     def summary(self) -> RequestSummary:
         return RequestSummary(sum(self.tokens), self.finish, self.ttft, self.texts)
 
@@ -311,6 +316,7 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
         raise
     except Exception as e:  # the stream already started: report in-band, then end it
         status = 503 if isinstance(e, EngineShuttingDown) else 500
+        tally.end_unfinished("abort" if status == 503 else "error")
         if status == 503:
             log.info("stream_ended_by_shutdown", request_id=builder.request_id)
         else:

@@ -20,11 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.errors import DuplicateRequestId, EngineOverloaded
 from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
 from pagedserve.gpu.sampling_params import SamplingParams
-from pagedserve.server.admission import admission_error, check_priority
+from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.beam_search import (
     beam_search_response,
     check_beam_search,
@@ -178,7 +177,7 @@ class Serving:
                         f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
                         priority=body.priority, cache_salt=body.cache_salt, grammar=grammar,
                         kv_transfer_params=body.kv_transfer_params))
-        except (EngineOverloaded, DuplicateRequestId) as e:
+        except ADMISSION_ERRORS as e:
             close_all(streams)
             raise admission_error(e) from e
         except BaseException:

@@ -89,3 +89,26 @@ def test_hypotheses_that_end_on_eos_say_stop_and_the_others_length():
     assert [search.finish_reason(h) for h in hyps] == ["stop", "length"]
     with pytest.raises(ValueError):
         BeamSearch(BeamSearchParams(0, 4), frozenset())
+
+
+@pytest.mark.parametrize("penalty", [1000.0, -1000.0, 1e308, -1e308])
+def test_an_extreme_length_penalty_ranks_by_length_without_overflow(penalty):
+    """``length ** penalty`` past float32 (it raised ``OverflowError`` / ``ZeroDivisionError``
+    inside the scheduler's loop): the score saturates, so a huge positive penalty prefers the
+    longer hypothesis and a huge negative one the shorter, whatever their logprobs."""
+    search = BeamSearch(BeamSearchParams(2, 3, length_penalty=penalty), frozenset({EOS}))
+    beams = [Beam("r", [], 0.0)]
+    top = [(EOS, -0.1), (7, -0.2), (8, -3.0), (9, -4.0)]  # [EOS] finishes first, at length 1
+    while True:  # the longer ones finish later and worse in logprob, at lengths 2 and 3
+        conts = search.step(beams, {b.request_id: top for b in beams})
+        if not conts:
+            break
+        tokens = {b.request_id: b.token_ids for b in beams}
+        beams = [Beam(f"{c.parent}.{c.token_id}", [*tokens[c.parent], c.token_id],
+                      c.cum_logprob) for c in conts]
+        top = [(EOS, -5.0), (10, -6.0), (11, -7.0), (12, -8.0)]
+    best = search.results()[0]
+    assert best.finished
+    assert (len(best.token_ids) > 1) == (penalty > 0), [h.token_ids for h in search.results()]
+    with pytest.raises(ValueError, match="finite"):
+        BeamSearch(BeamSearchParams(2, 3, length_penalty=float("-inf")), frozenset())

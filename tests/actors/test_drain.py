@@ -51,3 +51,27 @@ async def test_a_drain_that_gave_up_leaves_the_scheduler_serving(tiny_model_dir)
         await asyncio.wait_for(engine.wait_idle(), 60)  # the scheduler answers a later one
     finally:
         await engine.shutdown()
+
+
+async def test_a_drain_ends_the_requests_not_yet_started_at_once(tiny_model_dir):
+    """Only running requests get the grace: one waiting for a seat (``max_num_seqs=1``) ends
+    with the shutdown error while the running one goes on."""
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir, max_num_seqs=1))
+    try:
+        ids = chat_prompt_ids(tiny_model_dir, "Hi")
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        running = await engine.add_request("running", ids, params)
+        first = await running.__anext__()
+        assert first.token_ids
+        waiting = await engine.add_request("waiting", ids, params)
+        drain = asyncio.create_task(engine.drain(600))
+        with pytest.raises(EngineShuttingDown, match="server shutting down"):
+            async for _ in waiting:
+                pass
+        s = await engine.get_stats()
+        assert s.scheduler.num_running == 1 and s.scheduler.num_waiting == 0
+        assert not drain.done()
+        running.close()  # the client leaves: the drain ends, long before its 600 s
+        await asyncio.wait_for(drain, 60)
+    finally:
+        await engine.shutdown()

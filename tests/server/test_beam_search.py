@@ -154,3 +154,17 @@ async def test_a_client_that_goes_away_mid_search_frees_every_block(client):
     await asyncio.gather(task, return_exceptions=True)
     await until_stats(client, lambda s: s["kv_cache"]["num_free_blocks"]
                       == s["kv_cache"]["num_blocks"], "every block free after the disconnect")
+
+
+@pytest.mark.parametrize("raw", [b"1000", b"-1000", b"1e308", b"-1e308", b"-Infinity", b"NaN"])
+async def test_a_length_penalty_out_of_range_is_a_400(client, raw):
+    """Issue 33: ``length_penalty: 1000`` killed the scheduler; now a 400 naming the field, and
+    the engine serves the next search."""
+    body = (b'{"prompt": "Hi", "use_beam_search": true, "n": 2, "max_tokens": 4, '
+            b'"length_penalty": ' + raw + b"}")
+    r = await client.post("/v1/completions", content=body,
+                          headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "length_penalty"
+    ok = await beam_completion(client, "Hi", n=2, max_tokens=4, length_penalty=-10.0)
+    assert len(ok["choices"]) == 2

@@ -392,3 +392,51 @@ async def _until(check, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, f"never {what}"
         await asyncio.sleep(0.01)
+
+
+def test_sigint_when_idle_exits_zero_with_its_log_lines(tiny_model_dir, tmp_path):
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc, _ = start_server_process([str(tiny_model_dir)], stdout=log,
+                                       stderr=subprocess.STDOUT)
+        try:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = log_path.read_text()
+    assert "shutdown_started" in out and out.rstrip().endswith("stopped"), out[-2000:]
+    assert "Traceback" not in out, out
+
+
+def test_a_second_signal_aborts_the_drain_and_exits_at_once(tiny_model_dir, tmp_path):
+    """A drain of 600 s would outlast the wait below: only the second SIGINT ends the stream,
+    which says so in-band and is logged ``finish_reason=['abort']``."""
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc, url = start_server_process(
+            [str(tiny_model_dir), "--max-model-len", "40000", "--num-gpu-blocks-override",
+             "2600", "--shutdown-timeout", "600"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            lines: list[str] = []
+            started = threading.Event()
+            stream = threading.Thread(target=_stream, args=(url, 39000, lines, started))
+            stream.start()
+            assert started.wait(300)
+            proc.send_signal(signal.SIGINT)
+            while "shutdown_started" not in log_path.read_text():  # the drain has begun
+                assert proc.poll() is None
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 0
+            stream.join(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    events = [ln for ln in lines if ln.startswith("data: {")]
+    assert "server shutting down" in events[-1], events[-1]
+    assert [ln for ln in lines if ln][-1] == "data: [DONE]"
+    out = log_path.read_text()
+    assert "shutdown_forced" in out and "finish_reason=['abort']" in out, out[-2000:]
+    assert "Traceback" not in out, out
