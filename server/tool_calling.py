@@ -38,7 +38,10 @@ from pagedserve.server.tool_parsers.named import NamedCallParser
 from pagedserve.server.tool_protocol import NamedToolChoice, ToolDefinition, ToolFields
 
 Mode = Literal["none", "auto", "required", "named"]
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: a function declared without ``parameters`` takes an empty parameter list, so its
+# arguments can only be ``{}`` (not any object: a forced call then wrote junk keys).
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {},
+                                "additionalProperties": False}
 
 
 @dataclass(slots=True)
@@ -104,7 +107,9 @@ def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
 
 
 def parameters_of(tool: ToolDefinition) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+    """The JSON schema a call's arguments must match: the tool's ``parameters``, or
+    ``NO_ARGUMENTS`` (only ``{}``) when it declares none."""
+    return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
 
 
 def compact_json(schema: dict[str, Any]) -> StructuredOutputsParams:

@@ -18,7 +18,7 @@ class _Body(BaseModel):
 class FunctionDefinition(_Body):
     name: str = Field(default="", max_length=64)  # required: checked in ToolFields
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none = no arguments checked
+    parameters: dict[str, Any] | None = None  # a JSON schema; none = no arguments (`{}`)
     strict: bool | None = None
 
 

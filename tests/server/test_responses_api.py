@@ -372,4 +372,4 @@ def test_chat_tools_converts_to_the_chat_completions_shape():
     assert choice == {"type": "function", "function": {"name": "get_weather"}}
     bare = FunctionTool(type="function", name="now")
     assert chat_tools([bare], "auto") == ([{"type": "function", "function": {
-        "name": "now", "parameters": {"type": "object"}}}], "auto")
+        "name": "now"}}], "auto")  # no parameters: only {} (tool_calling.parameters_of)
