@@ -244,8 +244,11 @@ async def test_bad_tool_input_is_a_400_naming_the_field(server, body, param, say
     assert err["param"] == param and says in err["message"]
 
 
-async def test_auto_without_a_parser_names_the_flags(tiny_model_dir):
-    async with serve(tiny_model_dir, max_model_len=1024, num_blocks=128) as http:
+async def test_auto_without_detection_names_the_flags(tiny_model_dir):
+    # vLLM's rule, kept behind --disable-tool-parser-detection: auto needs both flags.
+    serving = ServingConfig(TINY_NAME, disable_tool_parser_detection=True)
+    async with serve(tiny_model_dir, max_model_len=1024, num_blocks=128,
+                     serving=serving) as http:
         r = await http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
         assert r.status_code == 400
         err = r.json()["error"]

@@ -1,0 +1,93 @@
+"""A user's first tool loop on the default flags (no ``--enable-auto-tool-choice``, no
+``--tool-call-parser``), with the embedded SmolLM2-135M, the real server and the ``openai``
+client: turn 1 calls a tool, turn 2 sends the tools again without ``tool_choice`` (``auto``,
+as every framework's loop does) with the tool's result and gets an answer. ``/tokenize`` of the
+same conversation gives the chat endpoint's prompt ids."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest_asyncio
+
+from pagedserve.server.config import ServingConfig
+from tests.conftest import serve
+
+SMOL = "smollm2"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def smol(default_model_dir):
+    async with serve(default_model_dir, SMOL, max_model_len=1024,
+                     serving=ServingConfig(SMOL)) as http:
+        yield http, openai.AsyncOpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1",
+                                       api_key="unused", max_retries=0)
+
+
+def second_turn(call) -> list[dict]:
+    return [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'}]
+
+
+async def test_a_full_tool_loop_on_the_default_flags(smol):
+    _, client = smol
+    first = await client.chat.completions.create(
+        model=SMOL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    # Turn 2 as the frameworks send it: the tools again, no tool_choice (= "auto").
+    second = await client.chat.completions.create(
+        model=SMOL, messages=second_turn(call), tools=[WEATHER], temperature=0, max_tokens=40,
+        extra_body={"return_token_ids": True})
+    answer = second.choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+    assert answer.finish_reason in ("stop", "length")
+    # Auto mode, streamed: the same answer.
+    text = ""
+    async for chunk in await client.chat.completions.create(
+            model=SMOL, messages=second_turn(call), tools=[WEATHER], temperature=0,
+            max_tokens=40, stream=True):
+        text += chunk.choices[0].delta.content or ""
+    assert text == answer.message.content
+
+
+async def test_auto_turn_one_reads_a_call_out_of_the_text(smol):
+    # Auto on turn 1: SmolLM2 opens a <tool_call> for this prompt; the hermes parser (chosen
+    # from its template) reads it and the grammar holds it to the schema.
+    _, client = smol
+    r = await client.chat.completions.create(
+        model=SMOL, temperature=0, max_tokens=60, tools=[WEATHER],
+        messages=[{"role": "system", "content": "Call get_weather to answer."}, *ASK])
+    choice = r.choices[0]
+    if choice.message.tool_calls:  # the model's pick; either way the answer is well formed
+        assert choice.finish_reason == "tool_calls"
+        assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
+    else:
+        assert choice.message.content
+
+
+async def test_tokenize_with_tools_gives_the_chat_prompt_ids(smol):
+    http, client = smol
+    call = type("Call", (), {"id": "call_1", "function": type("F", (), {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'})})
+    messages = second_turn(call)
+    r = await client.chat.completions.create(
+        model=SMOL, messages=messages, tools=[WEATHER], tool_choice="none", temperature=0,
+        max_tokens=1, extra_body={"return_token_ids": True})
+    chat_ids = r.model_extra["prompt_token_ids"]
+    tok = await http.post("/tokenize", json={"messages": messages, "tools": [WEATHER]})
+    assert tok.status_code == 200, tok.text
+    assert tok.json()["tokens"] == chat_ids and tok.json()["count"] == r.usage.prompt_tokens
+    bare = (await http.post("/tokenize", json={"messages": messages})).json()
+    assert bare["count"] < len(chat_ids)  # without tools: no tool list in the system turn
+    bad = await http.post("/tokenize", json={"prompt": "Hi", "tools": [WEATHER]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
