@@ -6,13 +6,20 @@ same conversation gives the chat endpoint's prompt ids."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import openai
+import pytest
 import pytest_asyncio
 
 from pagedserve.server.config import ServingConfig
-from tests.conftest import serve
+from pagedserve.server.tool_parser_choice import (
+    AutoToolChoice,
+    detect_tool_parser,
+    resolve_auto_tool_choice,
+)
+from tests.conftest import hf_tokenizer, serve
 
 SMOL = "smollm2"
 WEATHER = {"type": "function", "function": {
@@ -91,3 +98,23 @@ async def test_tokenize_with_tools_gives_the_chat_prompt_ids(smol):
     assert bare["count"] < len(chat_ids)  # without tools: no tool list in the system turn
     bad = await http.post("/tokenize", json={"prompt": "Hi", "tools": [WEATHER]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize(("template", "parser", "source"), [
+    ("{{ '<|start_header_id|>' }}{{ tools | tojson }}", "llama3_json", "chat template"),
+    ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", "mistral", "chat template"),
+    ("{{ '<tool_call>' }}{{ '<|start_header_id|>' }}", "hermes", "chat template"),
+    ("{{ messages[0].content }}", "hermes", "vocabulary"),  # SmolLM2's <|im_start|> token
+])
+def test_the_parser_is_chosen_from_the_template_then_the_vocabulary(default_model_dir,
+                                                                    template, parser, source):
+    tok = copy.deepcopy(hf_tokenizer(str(default_model_dir)))
+    tok.chat_template = template
+    assert detect_tool_parser(tok, None) == (parser, source)
+    assert resolve_auto_tool_choice(tok, None, None, False, False) == AutoToolChoice(
+        parser, True, source)
+    # Flags: an explicit parser wins; without detection, vLLM's two-flag rule.
+    assert resolve_auto_tool_choice(tok, None, "pythonic", False, False).parser == "pythonic"
+    off = resolve_auto_tool_choice(tok, None, None, True, True)
+    assert not off.enabled and "--tool-call-parser" in off.refusal
+    assert resolve_auto_tool_choice(tok, None, "hermes", True, True).enabled
