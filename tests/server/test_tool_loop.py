@@ -118,3 +118,26 @@ def test_the_parser_is_chosen_from_the_template_then_the_vocabulary(default_mode
     off = resolve_auto_tool_choice(tok, None, None, True, True)
     assert not off.enabled and "--tool-call-parser" in off.refusal
     assert resolve_auto_tool_choice(tok, None, "hermes", True, True).enabled
+
+
+async def test_the_agents_sdk_tool_loop(smol):
+    # The OpenAI Agents SDK's loop on the chat endpoint: turn 1 forced (tool_choice names the
+    # tool), the SDK runs it, then turn 2 sends the tools again with no tool_choice.
+    agents = pytest.importorskip("agents")
+    http, client = smol
+    agents.set_tracing_disabled(True)  # its traces go to OpenAI's servers
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return '{"celsius": 21, "sky": "clear"}'
+
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather.", tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model=SMOL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
+                                            max_tokens=40))
+    result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+    assert seen and result.final_output  # the tool ran, then the model answered in text
