@@ -2,7 +2,8 @@
 ``--tool-call-parser``), with the embedded SmolLM2-135M, the real server and the ``openai``
 client: turn 1 calls a tool, turn 2 sends the tools again without ``tool_choice`` (``auto``,
 as every framework's loop does) with the tool's result and gets an answer. ``/tokenize`` of the
-same conversation gives the chat endpoint's prompt ids."""
+same conversation gives the chat endpoint's prompt ids. The OpenAI Agents SDK's and LangChain's
+loops run the same way (LiteLLM is left out: a 44 MB wheel that pulls boto3 and aiohttp)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,28 @@ async def test_the_agents_sdk_tool_loop(smol):
                                             max_tokens=40))
     result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     assert seen and result.final_output  # the tool ran, then the model answered in text
+
+
+async def test_the_langchain_bind_tools_loop(smol):
+    # LangChain's loop: bind_tools with the tool forced, run it, send a ToolMessage back
+    # through bind_tools without tool_choice (auto).
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    http, _ = smol
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return '{"celsius": 21, "sky": "clear"}'
+
+    llm = lc.ChatOpenAI(model=SMOL, base_url=f"{str(http.base_url).rstrip('/')}/v1",
+                        api_key="unused", temperature=0, max_tokens=40, max_retries=0)
+    history = [HumanMessage("What is the weather in Paris?")]
+    first = await llm.bind_tools([get_weather], tool_choice="get_weather").ainvoke(history)
+    [call] = first.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"]
+    history += [first, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = await llm.bind_tools([get_weather]).ainvoke(history)
+    assert answer.content and not answer.tool_calls
