@@ -23,6 +23,7 @@ from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses_api import ResponsesServing
 from pagedserve.server.responses_store import ResponseStore
 from pagedserve.server.serving import Serving, ServingConfig
+from pagedserve.server.tool_calling import tool_dicts
 from pagedserve.server.vllm_routes import doc_routes, vllm_routes
 
 log = structlog.get_logger(__name__)
@@ -114,10 +115,11 @@ def _tokenizer_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
     async def tokenize(request: Request) -> JSONResponse:
         body: TokenizeRequest = await parse_body(request, TokenizeRequest)
         serving.check_model(body.model)
-        if body.messages is not None:
-            text = serving.chat_prompt([{"role": m.role, "content": m.text()}
-                                        for m in body.messages], body.add_generation_prompt)
-            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        if body.messages is not None:  # rendered exactly as the chat endpoint renders it
+            ids = serving.prompts.for_messages(
+                body.messages, tool_dicts(body.tools) if body.tools else None,
+                body.add_generation_prompt, body.continue_final_message,
+                body.chat_template_kwargs).token_ids
         else:
             ids = engine.tokenizer.encode(body.prompt,
                                           add_special_tokens=body.add_special_tokens)

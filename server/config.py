@@ -30,12 +30,17 @@ class ServingConfig:
         "default_text": "the tokenizer's",
     })
     enable_auto_tool_choice: bool = field(default=False, metadata={
-        "help": "let the model decide when to call tools (`tool_choice: auto`); needs "
-                "--tool-call-parser",
+        "help": "let the model decide when to call tools (`tool_choice: auto`); on already "
+                "unless --disable-tool-parser-detection (then it needs --tool-call-parser)",
     })
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "how tool calls are read from the model's output: the format of its family",
         "choices": tuple(TOOL_PARSERS),
+        "default_text": "chosen from the model's chat template",
+    })
+    disable_tool_parser_detection: bool = field(default=False, metadata={
+        "help": "do not choose a tool-call parser from the model: `tool_choice: auto` then "
+                "needs --enable-auto-tool-choice and --tool-call-parser, as in vLLM",
     })
     enable_log_requests: bool = field(default=False, metadata={
         "help": "log prompt and output text (never logged otherwise)",

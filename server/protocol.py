@@ -17,7 +17,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.server.structured_output_fields import StructuredOutputFields
-from pagedserve.server.tool_protocol import ToolCallInHistory, ToolFields
+from pagedserve.server.tool_protocol import (
+    ToolCallInHistory,
+    ToolDefinition,
+    ToolFields,
+    check_tool_names,
+)
 
 
 class _Body(BaseModel):
@@ -149,11 +154,19 @@ class ChatCompletionRequest(ToolFields, _SamplingBody):
     def _check_chat(self) -> Any:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be used with add_generation_prompt")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message: the last message must be the assistant's")
+        check_continuation(self.messages, self.add_generation_prompt,
+                           self.continue_final_message)
         return self
+
+
+def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool,
+                       continue_final_message: bool) -> None:
+    """``continue_final_message`` continues the last turn: it must be the assistant's, and no
+    new turn may be opened after it. Raises ``ValueError`` (a 400 on that field)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be used with add_generation_prompt")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message: the last message must be the assistant's")
 
 
 class CompletionRequest(_SamplingBody):
@@ -171,17 +184,31 @@ class CompletionRequest(_SamplingBody):
 
 
 class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` (with the chat request's
+    ``tools``, ``add_generation_prompt``, ``continue_final_message`` and
+    ``chat_template_kwargs``), rendered as the chat endpoint renders them."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> Any:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
+        if self.messages is None:
+            if self.tools is not None:
+                raise ValueError("tools: only with messages")
+            return self
+        check_tool_names(self.tools)
+        check_continuation(self.messages, self.add_generation_prompt,
+                           self.continue_final_message)
         return self
 
 

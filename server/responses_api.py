@@ -38,7 +38,7 @@ from pagedserve.server.responses import (
 from pagedserve.server.responses_events import Progress, ResponseShape, collect, events
 from pagedserve.server.responses_protocol import ResponsesRequest
 from pagedserve.server.responses_store import ResponseStore, StoredResponse
-from pagedserve.server.responses_tools import assistant_turn, plan_response_tools, uses_tool_turns
+from pagedserve.server.responses_tools import assistant_turn, plan_response_tools
 from pagedserve.server.serving import Serving
 from pagedserve.server.tool_calling import ToolPlan, keeps_special_tokens
 
@@ -114,12 +114,11 @@ class ResponsesServing:
                     tools: ToolPlan | None) -> tuple[str, list[int]]:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
-            prompt = self.serving.chat_prompt(
-                [*system, *conversation], tools=tools.tools if tools else None,
-                with_tools=tools is not None or uses_tool_turns(conversation))
+            rendered = self.serving.prompts.render([*system, *conversation],
+                                                   tools.tools if tools else None)
         except OpenAIError as e:
             raise OpenAIError(e.message, param="input") from e
-        ids = self.serving.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt, ids = rendered.text, rendered.token_ids
         limit = self.serving.max_model_len
         if body.max_output_tokens is not None and len(ids) + body.max_output_tokens > limit:
             raise OpenAIError(

@@ -269,8 +269,9 @@ def chat_tools(tools: list[FunctionTool], tool_choice: ToolChoice
     """
     converted = []
     for tool in tools:
-        function: dict[str, Any] = {"name": tool.name,
-                                    "parameters": tool.parameters or {"type": "object"}}
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.parameters is not None:  # none: no arguments (``tool_calling.parameters_of``)
+            function["parameters"] = tool.parameters or {"type": "object"}
         if tool.description is not None:
             function["description"] = tool.description
         if tool.strict is not None:

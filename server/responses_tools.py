@@ -31,17 +31,15 @@ if TYPE_CHECKING:
 
 async def plan_response_tools(body: ResponsesRequest, serving: Serving) -> ToolPlan | None:
     """The request's ``ToolPlan`` (``None`` without function tools). Raises ``OpenAIError``
-    (400) as the chat path does: ``auto`` without ``--enable-auto-tool-choice`` and
-    ``--tool-call-parser``, a named tool not in ``tools``, duplicate names, a parameter schema
-    xgrammar cannot compile."""
+    (400) as the chat path does: ``auto`` where the server serves none, a named tool not in
+    ``tools``, duplicate names, a parameter schema xgrammar cannot compile."""
     tools = [t for t in body.tools if isinstance(t, FunctionTool)]
     converted, choice = chat_tools(tools, body.tool_choice)
     if not tools:  # chat_tools refused a choice that needs tools
         return None
     fields = ToolFields.model_validate({"tools": converted, "tool_choice": choice,
                                         "parallel_tool_calls": body.parallel_tool_calls})
-    plan = plan_tools(fields, serving.config.tool_call_parser,
-                      serving.config.enable_auto_tool_choice)
+    plan = plan_tools(fields, serving.auto_tools)
     await check_tool_schemas(fields.tools or [], serving.engine.compile_grammar)
     return plan
 
@@ -55,12 +53,6 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str,
 
 def call_items(calls: list[ToolCall], status: str) -> list[dict[str, Any]]:
     return [function_call_item(c.id, c.name, c.arguments, status) for c in calls]
-
-
-def uses_tool_turns(conversation: list[dict[str, Any]]) -> bool:
-    """Whether the conversation has calls or results (then it renders with the tool template,
-    as on the chat path)."""
-    return any(m["role"] == "tool" or m.get("tool_calls") for m in conversation)
 
 
 def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from pagedserve.server.beam_search import (
     check_beam_search,
     start_beam_search,
 )
+from pagedserve.server.chat_prompt import ChatPrompts
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import LogprobsFormatter
@@ -56,10 +57,8 @@ from pagedserve.server.tool_calling import (
     check_tool_schemas,
     keeps_special_tokens,
     plan_tools,
-    template_messages,
-    uses_tools,
 )
-from pagedserve.server.tool_template import tool_template
+from pagedserve.server.tool_parser_choice import resolve_auto_tool_choice
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +78,10 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
-        self.tool_chat_template = tool_template(self.tokenizer, config.chat_template)
+        self.prompts = ChatPrompts(self.tokenizer, config.chat_template)
+        self.auto_tools = resolve_auto_tool_choice(
+            self.tokenizer, self.prompts.tool_chat_template, config.tool_call_parser,
+            config.enable_auto_tool_choice, config.disable_tool_parser_detection)
 
     # -- shared validation -------------------------------------------------------------------
 
@@ -189,37 +191,20 @@ class Serving:
         """A 400 naming the first id outside the vocabulary, and the vocabulary's size."""
         check_token_ids(ids, self.vocab_size, param)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False,
-                    kwargs: dict[str, Any] | None = None,
-                    tools: list[dict] | None = None, with_tools: bool = False) -> str:
-        """``with_tools``: the conversation has tools or tool turns (see ``tool_template``)."""
-        template = self.tool_chat_template if with_tools else self.config.chat_template
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools,
-                chat_template=template, **(kwargs or {}),
-            )
-        except Exception as e:  # jinja raises for roles/orders the template rejects
-            raise OpenAIError(f"chat template failed: {e}", param="messages") from e
-
     # -- endpoints ---------------------------------------------------------------------------
 
     async def chat(self, request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         self.check_model(body.model)
-        tools = plan_tools(body, self.config.tool_call_parser,
-                           self.config.enable_auto_tool_choice)
+        tools = plan_tools(body, self.auto_tools)
         if tools is not None:
             await check_tool_schemas(body.tools or [], self.engine.compile_grammar)
-        prompt = self.chat_prompt(template_messages(body.messages), body.add_generation_prompt,
-                                  body.continue_final_message, body.chat_template_kwargs,
-                                  tools=tools.tools if tools else None,
-                                  with_tools=tools is not None or uses_tools(body.messages))
-        prompt_ids = truncate_ids(self.tokenizer.encode(prompt, add_special_tokens=False),
-                                  body.truncate_prompt_tokens, body.truncation_side,
-                                  self.max_model_len)
+        rendered = self.prompts.for_messages(
+            body.messages, tools.tools if tools else None, body.add_generation_prompt,
+            body.continue_final_message, body.chat_template_kwargs)
+        prompt, prompt_ids = rendered.text, truncate_ids(
+            rendered.token_ids, body.truncate_prompt_tokens, body.truncation_side,
+            self.max_model_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)

@@ -6,8 +6,10 @@ want them. Reusable by any endpoint that takes OpenAI tools (``plan_tools``,
 The four choices:
 
 * ``none``: the tools are rendered in the prompt, the output is plain content.
-* ``auto``: the model decides; ``--tool-call-parser`` reads its calls out of the text (needs
-  ``--enable-auto-tool-choice``, else a 400 that names both flags, as vLLM answers). Where the
+* ``auto``: the model decides; the server's tool-call parser (``--tool-call-parser``, else
+  the one ``tool_parser_choice`` picks for the model) reads its calls out of the text (a 400
+  that says what to set where there is none, or with ``--disable-tool-parser-detection`` and
+  not both vLLM flags, as vLLM answers). Where the
   format has a structural tag (hermes, llama3_json), the text is free until the model opens a
   call, and the call is then constrained like a forced one (``tool_parsers.structural``); a
   request's own ``response_format`` (or other constraint) takes the place of that one.
@@ -33,12 +35,16 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.actors.structured_output import GrammarError
 from pagedserve.gpu.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import OpenAIError
+from pagedserve.server.tool_parser_choice import AutoToolChoice
 from pagedserve.server.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser
 from pagedserve.server.tool_parsers.named import NamedCallParser
 from pagedserve.server.tool_protocol import NamedToolChoice, ToolDefinition, ToolFields
 
 Mode = Literal["none", "auto", "required", "named"]
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: a function declared without ``parameters`` takes an empty parameter list, so its
+# arguments can only be ``{}`` (not any object: a forced call then wrote junk keys).
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {},
+                                "additionalProperties": False}
 
 
 @dataclass(slots=True)
@@ -62,11 +68,11 @@ class ToolPlan:
     forced: bool = True
 
 
-def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
-               ) -> ToolPlan | None:
-    """The request's plan, ``None`` when it has no tools and no choice. Raises ``OpenAIError``
+def plan_tools(body: ToolFields, auto: AutoToolChoice) -> ToolPlan | None:
+    """The request's plan, ``None`` when it has no tools and no choice; ``auto``: how the
+    server serves ``tool_choice: "auto"`` (``tool_parser_choice``). Raises ``OpenAIError``
     (400, ``param`` set) for a choice without tools, an unknown named tool, duplicate names,
-    and ``auto`` without a configured parser."""
+    and ``auto`` where the server serves none."""
     tools, choice = body.tools or [], body.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -75,15 +81,12 @@ def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise OpenAIError("tools: function names must be unique", param="tools")
-    defs = [t.model_dump(exclude_none=True) for t in tools]
+    defs = tool_dicts(tools)
     max_calls = None if body.parallel_tool_calls else 1
     if choice is None or choice == "auto":
-        if not (auto_enabled and parser_name):
-            raise OpenAIError(
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set on the server (or send tool_choice \"required\", a named function, "
-                'or "none")', param="tool_choice")
-        parser = TOOL_PARSERS[parser_name](max_calls=max_calls)
+        if not auto.enabled or auto.parser is None:
+            raise OpenAIError(auto.refusal, param="tool_choice")
+        parser = TOOL_PARSERS[auto.parser](max_calls=max_calls)
         tag = parser.structural_tag([(t.function.name, parameters_of(t)) for t in tools])
         constraint = None if tag is None else StructuredOutputsParams(structural_tag=tag)
         return ToolPlan("auto", defs, constraint, parser, forced=False)
@@ -103,8 +106,15 @@ def plan_tools(body: ToolFields, parser_name: str | None, auto_enabled: bool,
                     NamedCallParser(named.function.name))
 
 
+def tool_dicts(tools: list[ToolDefinition]) -> list[dict[str, Any]]:
+    """The definitions as chat templates take them (OpenAI's dicts, unset fields left out)."""
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
 def parameters_of(tool: ToolDefinition) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+    """The JSON schema a call's arguments must match: the tool's ``parameters``, or
+    ``NO_ARGUMENTS`` (only ``{}``) when it declares none."""
+    return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
 
 
 def compact_json(schema: dict[str, Any]) -> StructuredOutputsParams:
@@ -182,10 +192,6 @@ def _template_call(call: Any, i: int) -> dict[str, Any]:
                           param="messages") from e
     return {"id": call.id, "type": "function",
             "function": {"name": call.function.name, "arguments": args}}
-
-
-def uses_tools(messages: list[Any]) -> bool:
-    return any(m.role == "tool" or m.tool_calls for m in messages)
 
 
 def shape_message(message: dict[str, Any], parser: ToolParser, text: str) -> bool:

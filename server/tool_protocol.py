@@ -18,7 +18,7 @@ class _Body(BaseModel):
 class FunctionDefinition(_Body):
     name: str = Field(default="", max_length=64)  # required: checked in ToolFields
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none = no arguments checked
+    parameters: dict[str, Any] | None = None  # a JSON schema; none = no arguments (`{}`)
     strict: bool | None = None
 
 
@@ -57,7 +57,12 @@ class ToolFields(BaseModel):
 
     @model_validator(mode="after")
     def _named_tools(self) -> ToolFields:
-        for i, tool in enumerate(self.tools or []):
-            if not tool.function.name:
-                raise ValueError(f"tools: tools[{i}].function.name is required")
+        check_tool_names(self.tools)
         return self
+
+
+def check_tool_names(tools: list[ToolDefinition] | None) -> None:
+    """Every function needs a name. Raises ``ValueError`` (a 400 on ``tools``)."""
+    for i, tool in enumerate(tools or []):
+        if not tool.function.name:
+            raise ValueError(f"tools: tools[{i}].function.name is required")

@@ -129,6 +129,22 @@ async def test_required_parallel_calls_are_each_valid(client):
     assert max(len(c.message.tool_calls) for c in r.choices) > 1
 
 
+GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "Now"}}
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_time"}}, "required"])
+async def test_a_tool_without_parameters_is_called_with_exactly_empty_arguments(client,
+                                                                                tool_choice):
+    # OpenAI: no `parameters` is an empty parameter list, so "{}" is the only valid call.
+    r = await client.chat.completions.create(
+        model=TINY_NAME, messages=ASK, tools=[GET_TIME], n=8, temperature=1.0, seed=23,
+        max_tokens=60, tool_choice=tool_choice, parallel_tool_calls=False)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert calls_of(choice.message) == [("get_time", "{}")]
+
+
 def calls_of(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
@@ -228,8 +244,11 @@ async def test_bad_tool_input_is_a_400_naming_the_field(server, body, param, say
     assert err["param"] == param and says in err["message"]
 
 
-async def test_auto_without_a_parser_names_the_flags(tiny_model_dir):
-    async with serve(tiny_model_dir, max_model_len=1024, num_blocks=128) as http:
+async def test_auto_without_detection_names_the_flags(tiny_model_dir):
+    # vLLM's rule, kept behind --disable-tool-parser-detection: auto needs both flags.
+    serving = ServingConfig(TINY_NAME, disable_tool_parser_detection=True)
+    async with serve(tiny_model_dir, max_model_len=1024, num_blocks=128,
+                     serving=serving) as http:
         r = await http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
         assert r.status_code == 400
         err = r.json()["error"]
