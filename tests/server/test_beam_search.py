@@ -154,3 +154,19 @@ async def test_a_client_that_goes_away_mid_search_frees_every_block(client):
     await asyncio.gather(task, return_exceptions=True)
     await until_stats(client, lambda s: s["kv_cache"]["num_free_blocks"]
                       == s["kv_cache"]["num_blocks"], "every block free after the disconnect")
+
+
+async def test_a_list_of_prompts_runs_one_search_per_prompt(client, tiny_model_dir):
+    """vLLM's beam search takes a completion's batch: prompt p's beams are choices p*n.."""
+    tok = hf_tokenizer(str(tiny_model_dir))
+    prompts = [PROMPT, "Once upon a time there was"]
+    body = await beam_completion(client, prompts, n=2, max_tokens=6, echo=True)
+    ids = [tok.encode(p) for p in prompts]
+    want = [b for p in ids for b in hf_beams(tiny_model_dir, p, 2, 6)]
+    assert [c["token_ids"] for c in body["choices"]] == want
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"].startswith(prompts[c["index"] // 2]) for c in body["choices"]] == [True] * 4
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert body["usage"]["completion_tokens"] == sum(map(len, want))
+    s = await until_stats(client, lambda s: s["scheduler"]["num_running"] == 0, "idle")
+    assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
