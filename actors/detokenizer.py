@@ -22,6 +22,9 @@ class IncrementalDetokenizer:
 
     Attributes:
         stop_reason: ``"stop"`` once a stop string matched (the output ends there).
+        num_kept: how many of the last ``update``'s tokens belong to the output: all of them,
+            or those up to and including the one that completed a stop string (a verify step
+            of speculative decoding can accept tokens past it).
     """
 
     def __init__(
@@ -39,19 +42,22 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stop_reason: str | None = None
+        self.num_kept = 0
 
     def update(self, token_ids: list[int], final: bool) -> str:
         """Feed new tokens; return the text that is safe to send now.
 
         ``final`` flushes held-back text (the request ended on EOS or a length limit).
         """
-        for token_id in token_ids:
+        self.num_kept = len(token_ids)
+        for i, token_id in enumerate(token_ids):
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
                 continue
             before = len(self.text)
             self.text += piece
             if self._stops and self._match_stop(max(0, before - self._max_stop + 1)):
+                self.num_kept = i + 1
                 final = True
                 break
         end = len(self.text) if final else len(self.text) - self._holdback()

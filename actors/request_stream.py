@@ -167,17 +167,20 @@ class RequestStream:
         if out.finish_reason == "error":
             self._finished("error")
             raise EngineError(out.error or "request failed")
-        n = len(out.new_token_ids)
+        text = self._detok.update(out.new_token_ids, final=out.finish_reason is not None)
+        # A stop string cuts the tokens too (drafts accepted past it are not the output's).
+        n = self._detok.num_kept
+        token_ids = out.new_token_ids[:n]
+        logprobs = out.logprobs[:n] if out.logprobs is not None else None
         self._num_output += n
         self._metrics.tokens(self._request, n)
-        text = self._detok.update(out.new_token_ids, final=out.finish_reason is not None)
         finish = self._detok.stop_reason or out.finish_reason
         if out.finish_reason is not None:
             self._finished(finish)
         elif finish is not None:  # a stop string matched: the scheduler would run on
             self._abort(finish)
-        return GenerationDelta(text, out.new_token_ids, finish, self._request.num_prompt_tokens,
-                               self._num_output, out.logprobs, out.prompt_logprobs,
+        return GenerationDelta(text, token_ids, finish, self._request.num_prompt_tokens,
+                               self._num_output, logprobs, out.prompt_logprobs,
                                out.num_cached_tokens, self._request.kv_transfer_params
                                if out.finish_reason is not None else None)
 

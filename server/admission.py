@@ -1,6 +1,6 @@
 """What stands between a checked request and the engine: the scheduling-policy check and the
 HTTP error for a request the engine refused. One place for both the sampled requests
-(``Serving._start``) and a beam search (``beam_search.start_beam_search``)."""
+(``Serving._start``) and a beam search (``beam_search.start_beam_searches``)."""
 
 from __future__ import annotations
 

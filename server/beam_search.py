@@ -1,6 +1,8 @@
 """``use_beam_search`` on both endpoints (vLLM's request fields): ``n`` is the beam width,
 ``length_penalty`` and ``early_stopping`` as transformers' ``generate`` takes them, and the
-``n`` best hypotheses come back as the choices, best first.
+``n`` best hypotheses come back as the choices, best first. A completion's list of prompts runs
+one search per prompt, side by side (vLLM's ``beam_search`` per prompt): prompt ``p``'s
+hypotheses are choices ``p * n`` to ``p * n + n - 1``.
 
 As vLLM does, a beam search is never streamed (``stream: true`` gets the whole answer) and ranks
 by the model's raw logprobs (``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``seed`` do not
@@ -10,6 +12,7 @@ implement, are refused with a 400 naming the field, rather than ignored.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -17,7 +20,7 @@ from starlette.responses import JSONResponse
 from pagedserve.actors.beam_group import BeamSearchOutput, BeamSearchStream
 from pagedserve.actors.beam_search import BeamSearchParams
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.request_stream import RequestStream
+from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.errors import OpenAIError
@@ -35,15 +38,12 @@ _UNSUPPORTED = {
 }
 
 
-def check_beam_search(body: Any, num_prompts: int = 1) -> None:
-    """Refuse what a beam search cannot honour (also a batch of prompts, and vLLM's prompt
-    logprob fields).
+def check_beam_search(body: Any) -> None:
+    """Refuse what a beam search cannot honour (also vLLM's prompt logprob fields).
 
     Raises:
         OpenAIError: 400 naming the first such field.
     """
-    if num_prompts != 1:
-        raise OpenAIError("use_beam_search takes one prompt, not a list", param="prompt")
     for name in ("prompt_logprobs", "logprob_token_ids"):
         if getattr(body, name, None) is not None:
             raise OpenAIError(f"{name} is not supported with use_beam_search", param=name)
@@ -68,49 +68,63 @@ def beam_search_params(body: Any, params: SamplingParams) -> BeamSearchParams:
                             early_stopping=body.early_stopping, ignore_eos=body.ignore_eos)
 
 
-async def start_beam_search(engine: Any, request_id: str, prompt_ids: list[int], body: Any,
-                            params: SamplingParams) -> BeamSearchStream:
-    """Queue the search; refusals become HTTP errors (as ``Serving._start``)."""
+async def start_beam_searches(engine: Any, request_id: str, prompts: list[list[int]],
+                              body: Any, params: list[SamplingParams]) -> list[BeamSearchStream]:
+    """Queue one search per prompt (ids ``request_id-p`` for a list); all accepted, or none
+    kept and the refusal an HTTP error (as ``Serving._start``)."""
     check_priority(body, engine.config.scheduler.policy)
+    streams: list[BeamSearchStream] = []
     try:
-        return await engine.beam_search(
-            request_id, prompt_ids, beam_search_params(body, params),
-            stop_token_ids=list(body.stop_token_ids), priority=body.priority,
-            cache_salt=body.cache_salt)
+        for p, (prompt_ids, sp) in enumerate(zip(prompts, params, strict=True)):
+            streams.append(await engine.beam_search(
+                request_id if len(prompts) == 1 else f"{request_id}-{p}", prompt_ids,
+                beam_search_params(body, sp), stop_token_ids=list(body.stop_token_ids),
+                priority=body.priority, cache_salt=body.cache_salt))
     except ADMISSION_ERRORS as e:
+        close_all(streams)  # type: ignore[arg-type]  # BeamSearchStream closes alike
         raise admission_error(e) from e
+    except BaseException:
+        close_all(streams)  # type: ignore[arg-type]
+        raise
+    return streams
 
 
-async def beam_search_response(watch: DisconnectWatch, stream: BeamSearchStream,
+async def beam_search_response(watch: DisconnectWatch, searches: list[BeamSearchStream],
                                builder: ResponseBuilder, skip_special_tokens: bool,
                                on_done: Any) -> Any:
-    """The whole answer: one choice per hypothesis, best first (or a 499/5xx)."""
+    """The whole answer: per prompt, one choice per hypothesis, best first (or a 499/5xx)."""
 
     async def work() -> dict:
         try:
-            out = await stream.result()
+            outs = await asyncio.gather(*(s.result() for s in searches))
         except EngineError as e:
+            close_all(streams)  # the other prompts' searches end with this one
             status = 503 if isinstance(e, EngineShuttingDown) else 500
             raise OpenAIError(str(e), status=status) from e
-        return _body(builder, out, skip_special_tokens, on_done)
+        return _body(builder, outs, skip_special_tokens, on_done)
 
-    streams: list[RequestStream] = [stream]  # type: ignore[list-item]  # close + request_id
+    streams: list[RequestStream] = list(searches)  # type: ignore[arg-type]  # close, request_id
     answer = await until_disconnect(watch, work(), builder.request_id, streams)
     if isinstance(answer, dict):
         return JSONResponse(answer, headers={"X-Request-Id": builder.request_id})
     return answer
 
 
-def _body(builder: ResponseBuilder, out: BeamSearchOutput, skip_special_tokens: bool,
+def _body(builder: ResponseBuilder, outs: list[BeamSearchOutput], skip_special_tokens: bool,
           on_done: Any) -> dict:
-    echo = builder.echo_text(0)
-    texts = [builder.fmt.tokenizer.decode(h.token_ids, skip_special_tokens=skip_special_tokens)
-             for h in out.hypotheses]
-    choices = [builder.choice(i, echo + text, reason, h.token_ids, None, chunk=False)
-               for i, (h, text, reason) in enumerate(zip(out.hypotheses, texts,
-                                                         out.finish_reasons))]
+    choices, texts, reasons, num_tokens = [], [], [], 0
+    for p, out in enumerate(outs):
+        pairs = zip(out.hypotheses, out.finish_reasons, strict=True)
+        for i, (h, reason) in enumerate(pairs):
+            index = p * builder.n + i
+            text = builder.fmt.tokenizer.decode(h.token_ids,
+                                                skip_special_tokens=skip_special_tokens)
+            choices.append(builder.choice(index, builder.echo_text(index) + text, reason,
+                                          h.token_ids, None, chunk=False))
+            texts.append(text)
+            reasons.append(reason)
+            num_tokens += len(h.token_ids)
     body = builder.envelope(choices, chunk=False)
-    num_tokens = sum(len(h.token_ids) for h in out.hypotheses)
     body["usage"] = builder.usage(num_tokens)
-    on_done(RequestSummary(num_tokens, list(out.finish_reasons), None, texts))
+    on_done(RequestSummary(num_tokens, reasons, None, texts))
     return body

@@ -27,7 +27,7 @@ from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check
 from pagedserve.server.beam_search import (
     beam_search_response,
     check_beam_search,
-    start_beam_search,
+    start_beam_searches,
 )
 from pagedserve.server.chat_prompt import ChatPrompts
 from pagedserve.server.config import ServingConfig
@@ -232,7 +232,7 @@ class Serving:
         ``echo``: chat's echoed assistant message; ``tools``: chat's tool plan. A client that
         leaves before its requests are accepted never gets them scheduled (``DisconnectWatch``)."""
         if body.use_beam_search:
-            check_beam_search(body, len(prompts))
+            check_beam_search(body)
             if tools is not None:
                 raise OpenAIError("tools are not supported with use_beam_search", param="tools")
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
@@ -262,7 +262,7 @@ class Serving:
             on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
                                    sum(len(p.token_ids) for p in prompts))
             if body.use_beam_search:  # never streamed, as vLLM
-                return await beam_search_response(watch, started[0], builder,
+                return await beam_search_response(watch, started, builder,
                                                   params[0].skip_special_tokens, on_done)
             return await self._answer(watch, builder, body, started, on_done)
         finally:
@@ -288,13 +288,13 @@ class Serving:
         self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams],
         body: Any, tools: ToolPlan | None,
     ) -> list:
-        """The constraint compiled, then the engine requests (a beam search: its one stream)."""
+        """The constraint compiled, then the engine requests (a beam search: one per prompt)."""
         grammar = await self._structured_outputs(body, params[0], tools)
         for p in params[1:]:  # a batch's prompts share the one compiled constraint
             p.structured_outputs = params[0].structured_outputs
         if body.use_beam_search:
-            return [await start_beam_search(self.engine, request_id, prompts[0].token_ids, body,
-                                            params[0])]
+            return await start_beam_searches(self.engine, request_id,
+                                             [p.token_ids for p in prompts], body, params)
         return await self._start(request_id, [(p.token_ids, sp) for p, sp in
                                               zip(prompts, params)], body, grammar)
 

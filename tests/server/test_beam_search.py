@@ -168,3 +168,19 @@ async def test_a_length_penalty_out_of_range_is_a_400(client, raw):
     assert r.json()["error"]["param"] == "length_penalty"
     ok = await beam_completion(client, "Hi", n=2, max_tokens=4, length_penalty=-10.0)
     assert len(ok["choices"]) == 2
+
+
+async def test_a_list_of_prompts_runs_one_search_per_prompt(client, tiny_model_dir):
+    """vLLM's beam search takes a completion's batch: prompt p's beams are choices p*n.."""
+    tok = hf_tokenizer(str(tiny_model_dir))
+    prompts = [PROMPT, "Once upon a time there was"]
+    body = await beam_completion(client, prompts, n=2, max_tokens=6, echo=True)
+    ids = [tok.encode(p) for p in prompts]
+    want = [b for p in ids for b in hf_beams(tiny_model_dir, p, 2, 6)]
+    assert [c["token_ids"] for c in body["choices"]] == want
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"].startswith(prompts[c["index"] // 2]) for c in body["choices"]] == [True] * 4
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert body["usage"]["completion_tokens"] == sum(map(len, want))
+    s = await until_stats(client, lambda s: s["scheduler"]["num_running"] == 0, "idle")
+    assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]

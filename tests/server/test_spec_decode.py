@@ -5,6 +5,7 @@ end the output exactly; bad configs are refused."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -101,3 +102,54 @@ async def test_smollm2_greedy_equals_hf_and_accepts_drafts(default_model_dir):
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert accepted >= len(tokens) // 3  # measured: about two tokens per step
     assert steps <= len(tokens) - accepted + 1
+
+
+WEEK = "Continue this list: " + "Monday Tuesday Wednesday Thursday Friday Saturday Sunday " * 3
+
+
+async def _stop_inside_drafts(client, stream: bool) -> tuple[str, list[int], int, int]:
+    """(text, token ids, usage's completion tokens, logprobs entries) of a request whose stop
+    string completes mid-line, where n-gram drafts run on past it."""
+    body = {"messages": [{"role": "user", "content": WEEK}], "model": "smollm2",
+            "max_tokens": 20, "temperature": 0, "stop": ["Wedn"], "logprobs": True,
+            "return_token_ids": True, "stream": stream}
+    if not stream:
+        r = await client.post("/v1/chat/completions", json=body)
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "stop"
+        return (c["message"]["content"], c["token_ids"], r.json()["usage"]["completion_tokens"],
+                len(c["logprobs"]["content"]))
+    body["stream_options"] = {"include_usage": True}
+    text, ids, entries, usage, finish = "", [], 0, None, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                text += c["delta"].get("content", "")
+                ids += c.get("token_ids") or []
+                entries += len((c.get("logprobs") or {}).get("content") or [])
+                finish = c["finish_reason"] or finish
+    assert finish == "stop"
+    return text, ids, usage["completion_tokens"], entries
+
+
+async def test_a_stop_string_inside_accepted_drafts_cuts_every_field(default_model_dir):
+    """The verify step that completes "Wedn" accepts drafts past it (measured: 7 tokens
+    came back for 3); text, token ids, logprobs and usage all end at the third."""
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    async with serve(default_model_dir, name="smollm2") as client:
+        plain = await _stop_inside_drafts(client, stream=False)
+    async with serve(default_model_dir, name="smollm2", speculative=spec) as client:
+        before = (await stats(client))["scheduler"]
+        whole = await _stop_inside_drafts(client, stream=False)
+        streamed = await _stop_inside_drafts(client, stream=True)
+        after = (await stats(client))["scheduler"]
+    text, ids, usage, entries = plain
+    assert text == "Monday Tuesday " and len(ids) == usage == entries == 3
+    assert whole == plain and streamed == plain
+    # The drafts did run past the stop: more than the two a request could keep (measured 8).
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > 2 * 2
