@@ -33,9 +33,11 @@ from importlib.metadata import PackageNotFoundError, version
 import structlog
 
 from pagedserve.actors.dp_config import DataParallelConfig
+from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
+from pagedserve.server.generation_config import GenerationDefaults, load_generation_defaults
 from pagedserve.server.proxy import add_proxy_parser, proxy_main
 
 log = structlog.get_logger("pagedserve")
@@ -122,6 +124,29 @@ def _read_template(value: str | None) -> str | None:
         return f.read()
 
 
+def _generation_defaults(model: str | None, args: argparse.Namespace) -> GenerationDefaults:
+    """The request defaults of ``--generation-config`` / ``--override-generation-config`` for
+    the model being served (logged when there are any, as vLLM does)."""
+    from pagedserve.gpu import loader
+
+    try:
+        resolved = loader.resolve_model(model)
+    except loader.ModelLoadError:
+        return GenerationDefaults()  # the engine's start reports it, as for every model error
+    embedded = resolved.gguf_file is not None and (
+        resolved.default_served_name == EMBEDDED_SERVED_NAME)
+    try:
+        defaults = load_generation_defaults(args.generation_config,
+                                            args.override_generation_config, resolved.path,
+                                            embedded)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"pagedserve: error: {e}") from None
+    if defaults != GenerationDefaults():
+        log.info("generation_config", source=args.generation_config, **defaults.sampling,
+                 max_tokens=defaults.max_tokens, max_tokens_cap=defaults.max_tokens_cap)
+    return defaults
+
+
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
@@ -143,11 +168,14 @@ async def serve(args: argparse.Namespace) -> None:
     if args.api_key is None and not _is_loopback(server.host):
         log.warning("no_api_key_on_public_address", host=server.host,
                     hint="anyone who reaches this address can use the server: set --api-key")
+    # Before the engine starts: a bad generation config is a usage error, not a minute late.
+    generation_defaults = _generation_defaults(engine_config(args).model.model, args)
     engine = await start_engine(engine_config(args), dp, args.log_level)
     # The served name's one home is ServingConfig; the model's own name is only its default.
     served = args.served_model_name or engine.info.served_name
     serving = from_args(ServingConfig, args, served_model_name=served,
-                        chat_template=_read_template(args.chat_template))
+                        chat_template=_read_template(args.chat_template),
+                        generation_defaults=generation_defaults)
     app = build_app(engine, serving, server.max_request_body_bytes,
                     access_log=not server.disable_access_log)
     config = hypercorn_config(server.host, server.port)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
+from pagedserve.server.generation_config import GenerationDefaults, parse_override
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -65,6 +66,21 @@ class ServingConfig:
         "env": "PAGEDSERVE_ADMIN_KEY",
         "default_text": "$PAGEDSERVE_ADMIN_KEY",
     })
+    generation_config: str = field(default="auto", metadata={
+        "help": "request defaults (temperature, top_p, top_k, min_p, repetition_penalty; "
+                "max_new_tokens as max_tokens) for fields a request omits: auto = the "
+                "model's generation_config.json (the embedded model: max_new_tokens 512), "
+                "vllm = none, or a folder with a generation_config.json (its max_new_tokens "
+                "then caps every request)",
+    })
+    override_generation_config: dict | None = field(default=None, metadata={
+        "help": "JSON merged over --generation-config's values, e.g. "
+                "'{\"max_new_tokens\": 512}' (a max_new_tokens here caps every request's "
+                "max_tokens)",
+        "parse": parse_override,
+    })
+    # Resolved by the CLI from the two flags above and the model's folder.
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     max_stored_responses: int = field(default=1000, metadata={
         "help": "responses of /v1/responses kept in memory for previous_response_id (least "
                 "recently used dropped first; 0 = none)",

@@ -244,13 +244,11 @@ class ResponsesRequest(_Body):
 
     def sampling_body(self) -> _SamplingBody:
         """The chat path's sampling fields, for ``Serving``'s validation and ``_start``."""
-        return _SamplingBody(
-            model=self.model, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
-            priority=self.priority, cache_salt=self.cache_salt,
-        )
+        # Only the fields sent: the others take the generation config's defaults there.
+        names = ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed", "stop", "priority",
+                 "cache_salt")
+        return _SamplingBody(**{k: getattr(self, k) for k in names if k in self.model_fields_set})
 
 
 def chat_tools(tools: list[FunctionTool], tool_choice: ToolChoice

@@ -108,7 +108,12 @@ class Serving:
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion).", param="max_tokens",
             )
-        if body.min_tokens > (max_tokens or room):
+        defaults = self.config.generation_defaults
+        max_tokens = defaults.max_tokens_for(max_tokens, room)
+        # The generation config's values for the sampling fields the request left out.
+        body = body.model_copy(update={k: v for k, v in defaults.sampling.items()
+                                       if k not in body.model_fields_set})
+        if body.min_tokens > max_tokens:
             raise OpenAIError("min_tokens: must not exceed max_tokens", param="min_tokens")
         check_logprob_fields(body, self.vocab_size, logprobs)
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
@@ -119,8 +124,7 @@ class Serving:
             top_k=min(body.top_k, self.vocab_size), min_p=body.min_p,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias, seed=body.seed,
-            max_tokens=max_tokens if max_tokens is not None else room,
-            min_tokens=body.min_tokens, stop=body.stop_list(),
+            max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop_list(),
             include_stop_str_in_output=body.include_stop_str_in_output,
             stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,

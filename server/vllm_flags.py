@@ -38,7 +38,6 @@ IGNORED: dict[str, int | str] = {
     "--download-dir": 1,  # the Hugging Face cache ($HF_HOME) is used
     "--load-format": 1,
     "--tokenizer-mode": 1,
-    "--generation-config": 1,
     "--max-seq-len-to-capture": 1,
     "--worker-use-ray": 0,
     "--disable-custom-all-reduce": 0,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -50,6 +52,32 @@ def test_capital_of_france(client):
     assert r.choices[0].message.content == "The capital of France is Paris."
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 8  # 7 tokens of text and <|im_end|>
+
+
+def _max_tokens_observed(server: str) -> tuple[float, float]:
+    """(count, sum) of the finished requests' ``max_tokens`` histogram in ``/metrics``."""
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    found = [float(re.search(rf"^pagedserve:request_max_num_generation_tokens_{part}"
+                             r"(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
+             for part in ("count", "sum")]
+    return found[0], found[1]
+
+
+def test_a_chat_without_max_tokens_gets_the_embedded_models_default(server):
+    """The README's first curl had no ``max_tokens`` and ran to the context (8,155 tokens):
+    ``--generation-config auto`` gives the embedded model ``max_new_tokens`` 512 as the default,
+    while a request's own ``max_tokens`` (600, above it) is kept."""
+    for asked, want in ((None, 512), (600, 600)):
+        count, total = _max_tokens_observed(server)
+        body = {"model": MODEL, "temperature": 0,
+                "messages": [{"role": "user", "content": "Name the capital of France."}]}
+        r = httpx.post(f"{server}/v1/chat/completions", timeout=120,
+                       json=body if asked is None else {**body, "max_tokens": asked})
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        deadline = time.monotonic() + 30  # observed once the request has finished
+        while _max_tokens_observed(server)[0] == count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _max_tokens_observed(server) == (count + 1, total + want)
 
 
 @pytest.mark.parametrize("prompt", [
