@@ -1,0 +1,79 @@
+"""The README's first example, run as written: its curl command (only the address changed)
+against ``pagedserve serve`` at the default flags, what ``make serve`` runs, answers "Paris" on
+every CPU tier this CPU can run (``PAGEDSERVE_CPU_ISA`` caps the tier; the default dtype and
+linear mode follow the tier, so each tier is its own arithmetic)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.kernels import cpu_isa
+from pagedserve.server.launch import start_server_process
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_URL = "http://127.0.0.1:8000"
+
+
+def readme_blocks(lang: str) -> list[str]:
+    """The README's fenced code blocks of language ``lang``, in order."""
+    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(encoding="utf-8"),
+                      re.M | re.S)
+
+
+def first_curl() -> list[str]:
+    """The README's first curl command as argv (line continuations joined)."""
+    block = next(b for b in readme_blocks("bash") if b.lstrip().startswith("curl"))
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_the_first_curl_is_greedy_and_bounded():
+    """What the Paris test relies on: the example asks for greedy output and a bounded
+    length (a request without max_tokens once ran 6.5 minutes)."""
+    argv = first_curl()
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["temperature"] == 0 and 0 < body["max_tokens"] <= 128
+    assert "France" in body["messages"][-1]["content"]
+    assert any(a.startswith(README_URL) for a in argv)  # the address the test replaces
+
+
+@pytest.mark.parametrize("level", cpu_isa.LEVELS)
+def test_the_readme_question_answers_paris_on_every_tier(level, tmp_path):
+    if cpu_isa.select_level(level) != level:
+        pytest.skip(f"this CPU cannot run the {level} tier (it runs "
+                    f"{cpu_isa.select_level(level)} under that cap)")
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        try:
+            proc, url = start_server_process([], env={**_env(), cpu_isa.ISA_ENV: level},
+                                             stdout=out, stderr=subprocess.STDOUT)
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{log.read_text()}")
+    try:
+        argv = [a.replace(README_URL, url) for a in first_curl()]
+        sse = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+        events = [line[len("data: "):] for line in sse.stdout.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", sse.stdout[-2000:]
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-1])
+        assert "Paris" in text, f"{level}: {text!r}"
+        model = httpx.get(f"{url}/admin/stats", timeout=30).json()["config"]["model"]
+        assert model["cpu_isa"] == level  # the cap took: this tier's arithmetic answered
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def _env() -> dict[str, str]:
+    """This process's environment without any tier cap (the test sets its own)."""
+    return {k: v for k, v in os.environ.items() if k not in (
+        cpu_isa.ISA_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
