@@ -1,7 +1,9 @@
-"""The README's first example, run as written: its curl command (only the address changed)
-against ``pagedserve serve`` at the default flags, what ``make serve`` runs, answers "Paris" on
-every CPU tier this CPU can run (``PAGEDSERVE_CPU_ISA`` caps the tier; the default dtype and
-linear mode follow the tier, so each tier is its own arithmetic)."""
+"""The README's commands as written. Its first example, the curl command (only the address
+changed), against ``pagedserve serve`` at the default flags, what ``make serve`` runs, answers
+"Paris" on every CPU tier this CPU can run (``PAGEDSERVE_CPU_ISA`` caps the tier; the default
+dtype and linear mode follow the tier, so each tier is its own arithmetic). Every
+``pagedserve ...`` command it shows parses, and the ``pagedserve`` it names is where ``make``
+puts it."""
 
 from __future__ import annotations
 
@@ -24,9 +26,22 @@ README_URL = "http://127.0.0.1:8000"
 
 
 def readme_blocks(lang: str) -> list[str]:
-    """The README's fenced code blocks of language ``lang``, in order."""
-    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(encoding="utf-8"),
-                      re.M | re.S)
+    """The README's fenced code blocks of language ``lang`` (``""``: no language), in order."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", README.read_text(encoding="utf-8"),
+                        re.M | re.S)
+    return [body for block_lang, body in blocks if block_lang == lang]
+
+
+def pagedserve_commands() -> list[list[str]]:
+    """Every ``pagedserve ...`` command line of the README's shell blocks as argv, from
+    ``pagedserve`` on (line continuations joined, comments and ``VAR=value`` prefixes dropped)."""
+    commands = []
+    for block in readme_blocks("bash") + readme_blocks(""):
+        for line in block.replace("\\\n", " ").splitlines():
+            if re.match(r"(?:[A-Z_]+=\S*\s+)*pagedserve\s", line):
+                argv = shlex.split(line, comments=True)
+                commands.append(argv[argv.index("pagedserve"):])
+    return commands
 
 
 def first_curl() -> list[str]:
@@ -77,3 +92,28 @@ def _env() -> dict[str, str]:
     """This process's environment without any tier cap (the test sets its own)."""
     return {k: v for k, v in os.environ.items() if k not in (
         cpu_isa.ISA_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+
+
+def test_every_pagedserve_command_in_the_readme_parses():
+    """Each is accepted by ``pagedserve``'s parser as written (placeholders such as MODEL and
+    ./my-llama are models to the parser), and its flags make a valid engine config."""
+    from pagedserve.server.cli import build_parser
+    from pagedserve.server.engine_args import engine_config
+
+    commands = pagedserve_commands()
+    assert len(commands) >= 13 and ["pagedserve", "serve"] in commands
+    assert any(c[1] == "proxy" for c in commands)
+    for argv in commands:
+        args = build_parser().parse_args(argv[1:])
+        if args.command == "serve":
+            engine_config(args)
+
+
+def test_the_readme_names_the_pagedserve_that_make_installs():
+    """A fresh clone has ``pagedserve`` only in ``.venv/bin`` after ``make serve``: the README
+    says so and how to put it on PATH, and the Makefile's venv is that one."""
+    text = README.read_text(encoding="utf-8")
+    assert "`.venv/bin/pagedserve`" in text and "`source .venv/bin/activate`" in text
+    makefile = (README.parent / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^VENV\s*\?=\s*\.venv$", makefile, re.M)
+    assert "\t$(VENV)/bin/pagedserve serve $(ARGS)" in makefile
