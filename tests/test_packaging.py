@@ -45,3 +45,21 @@ def test_wheel_installs_only_the_pagedserve_namespace(tmp_path: Path) -> None:
         check=True, capture_output=True, text=True, cwd=tmp_path,
     ).stdout
     assert out.strip().startswith(str(target / "pagedserve" / "kernels"))
+
+
+def test_make_announces_each_install_phase(tmp_path: Path) -> None:
+    """``make serve`` on a fresh clone spends ~3 minutes in pip: each install is announced by a
+    phase line and none is silenced (``-q``); pip's progress bars only on a terminal. Read from
+    ``make -n``, which prints the recipe without running it."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path)
+    out = subprocess.run(["make", "-n", "serve"], cwd=tmp_path, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    installs = [i for i, line in enumerate(out) if " -m pip install " in line]
+    assert len(installs) == 3
+    for i in installs:
+        assert " -q" not in out[i] and "--progress-bar off" in out[i]
+        phase = next(line for line in reversed(out[:i]) if not line.startswith("#"))
+        assert phase.startswith('echo "== [') and "/3] " in phase
+    assert out[-1] == ".venv/bin/pagedserve serve "
+    assert any("source .venv/bin/activate" in line for line in out[installs[-1]:])

@@ -171,13 +171,23 @@ def test_cap_torch_env_is_a_no_op_once_torch_is_imported(monkeypatch):
 def test_build_is_cached_and_failure_falls_back(fresh, tmp_path):
     monkeypatch = fresh
     monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path))
-    assert cpu_ops.load() is not None
+    with structlog.testing.capture_logs() as events:
+        assert cpu_ops.load() is not None
     built = list(tmp_path.glob("cpu_ops-*.so"))
     assert len(built) == 1
+    # The first start's ~15 s of compiling is announced, then timed.
+    names = [e["event"] for e in events]
+    start = names.index("building CPU kernels (first start only)")
+    done = names.index("cpu_kernels_built")
+    assert start < done and events[start]["cache"] == str(tmp_path)
+    assert 0 < events[done]["seconds"] < 600 and events[done]["library"] == str(built[0])
     mtime = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_ops, "_tried", False)
-    assert cpu_ops.load() is not None
+    with structlog.testing.capture_logs() as events:
+        assert cpu_ops.load() is not None
     assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
+    assert not {"building CPU kernels (first start only)", "cpu_kernels_built"} & {
+        e["event"] for e in events}
     # A compiler that fails: load() says None and why; nothing half-built is left behind.
     monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path / "other"))
     monkeypatch.setenv("CXX", "false")
