@@ -44,10 +44,19 @@ def pagedserve_commands() -> list[list[str]]:
     return commands
 
 
+def curls() -> list[list[str]]:
+    """Every curl command of the README's bash blocks as argv (continuations joined; a
+    command's JSON may span lines inside its quotes), in order."""
+    out = []
+    for block in readme_blocks("bash"):
+        for part in re.split(r"^(?=curl )", block.replace("\\\n", " "), flags=re.M)[1:]:
+            out.append(shlex.split(part, comments=True))
+    return out
+
+
 def first_curl() -> list[str]:
-    """The README's first curl command as argv (line continuations joined)."""
-    block = next(b for b in readme_blocks("bash") if b.lstrip().startswith("curl"))
-    return shlex.split(block.replace("\\\n", " "))
+    """The README's first curl command as argv."""
+    return curls()[0]
 
 
 def test_the_first_curl_is_greedy_and_bounded():
@@ -92,6 +101,54 @@ def _env() -> dict[str, str]:
     """This process's environment without any tier cap (the test sets its own)."""
     return {k: v for k, v in os.environ.items() if k not in (
         cpu_isa.ISA_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    """``pagedserve serve`` at the default flags, the server the README's examples talk to."""
+    log = tmp_path_factory.mktemp("readme") / "server.log"
+    with log.open("w") as out:
+        try:
+            proc, url = start_server_process([], env=_env(), stdout=out,
+                                             stderr=subprocess.STDOUT)
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{log.read_text()}")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_every_readme_request_example_runs_as_written_and_is_bounded(default_server):
+    """The README's curls against the default server (the KV-connector ones need two servers
+    and a connector: tests/server/test_kv_connector.py), and its Python snippet, each with a
+    length limit, each answered; ``resp_...`` is the id the curl before it got."""
+    ran, last_id = [], None
+    for argv in curls()[1:]:
+        body = json.loads(argv[argv.index("-d") + 1])
+        if "kv_transfer_params" in body:
+            continue
+        assert "max_tokens" in body or "max_output_tokens" in body, body
+        argv = [a.replace(README_URL, default_server).replace("resp_...", str(last_id))
+                for a in argv]
+        out = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                                        check=True).stdout)
+        assert out.get("error") is None, out
+        last_id = out["id"]
+        ran.append(out)
+    guided, first, follow_up, tools = ran
+    person = json.loads(guided["choices"][0]["message"]["content"])
+    assert isinstance(person["name"], str) and person["age"] >= 0
+    assert first["status"] == follow_up["status"] == "completed"
+    assert follow_up["previous_response_id"] == first["id"]
+    (call,) = tools["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert "Paris" in json.loads(call["function"]["arguments"])["city"]
+
+    (snippet,) = readme_blocks("python")
+    assert "max_tokens=" in snippet
+    scope: dict = {}
+    exec(snippet.replace(README_URL, default_server), scope)  # noqa: S102 (our own README)
+    assert scope["r"].choices[0].message.content
 
 
 def test_every_pagedserve_command_in_the_readme_parses():
