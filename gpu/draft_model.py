@@ -33,6 +33,7 @@ from pagedserve.gpu.attention import AttentionBackend
 from pagedserve.gpu.batch import ScheduledRequest, order_batch
 from pagedserve.gpu.config import DraftModelConfig
 from pagedserve.gpu.layer_ops import get_layer_ops
+from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.step_inputs import prepare_inputs
 
@@ -83,7 +84,8 @@ class DraftModel:
             model, _ = gguf_load.load_gguf_model(resolved.gguf_file, hf_config, backend,
                                                  max_model_len, ops, device, dtype, None)
         else:
-            model = LlamaForCausalLM.build(hf_config, backend, max_model_len, ops, device,
+            cls = registry.model_class(hf_config)
+            model = cls.build(hf_config, backend, max_model_len, ops, device,
                                            dtype)
             loader.load_weights(model, resolved.path)
         if cpu_gemm.can_pack(dtype, device):

@@ -1,7 +1,7 @@
 """A GGUF file opened in place: gguf-py's ``GGUFReader`` memory-maps it, so a tensor is a
 numpy view of the file's bytes until something copies it.
 
-Names are llama.cpp's for llama/mistral/qwen2 (``blk.N.attn_q`` ...; transformers'
+Names are llama.cpp's for llama/mistral/qwen2/qwen3 (``blk.N.attn_q`` ...; transformers'
 ``integrations/ggml.py`` maps them the same way); for the ``llama`` architecture the q/k rows
 are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its rotary layout,
 transformers' ``LlamaTensorProcessor`` reverses it; qwen2 files are not permuted).
@@ -29,6 +29,8 @@ LAYER_TENSORS = {
     "ffn_down": ("mlp.down_proj", 0, 1),
 }
 LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# Norms over each head of q and k (Qwen3), after ``model.layers.{i}.self_attn.``.
+HEAD_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
 # llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
 PERMUTED_ARCHS = {"llama", "mistral"}
 

@@ -42,6 +42,7 @@ from pagedserve.gpu.gguf_linear import (
 )
 from pagedserve.gpu.linear_bands import LinearPlan
 from pagedserve.gpu.loader import ModelLoadError
+from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.kernels import gguf_ops
 
@@ -207,7 +208,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
     """
     f = gf.open_gguf(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, ops)
+        model = registry.model_class(config)(config, backend, max_positions, ops)
     b = _Builder(f, config, dtype, plan)
     qwen_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
     layers = model.model.layers
@@ -225,6 +226,10 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
             setattr(parent, leaf, module)
         for short, attr in gf.LAYER_NORMS.items():
             getattr(layer, attr).weight = _norm_weight(b, f"blk.{i}.{short}.weight")
+        for short, attr in gf.HEAD_NORMS.items():  # Qwen3's q/k norms
+            if hasattr(layer.self_attn, attr):
+                getattr(layer.self_attn, attr).weight = _norm_weight(
+                    b, f"blk.{i}.{short}.weight")
     embed, head = b.embedding_and_head(bool(getattr(config, "tie_word_embeddings", False)))
     _check_shape("token_embd", embed, model.model.embed_tokens)
     _check_shape("lm_head", head, model.lm_head)

@@ -27,11 +27,11 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 from pagedserve.gpu.gguf_metadata import read_config_and_tokenizer
+from pagedserve.gpu.models import registry
 
 log = structlog.get_logger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
@@ -213,11 +213,10 @@ def _from_hub(repo_id: str) -> Path:
 
 def load_config(path: Path) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"model type '{config.model_type}' is not supported "
-            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-        )
+    try:
+        registry.model_class(config)
+    except registry.UnsupportedArchitecture as e:
+        raise ModelLoadError(str(e)) from None
     return config
 
 

@@ -31,6 +31,7 @@ from pagedserve.gpu.dtype_choice import pick_dtype, pick_linear_plan, pick_quant
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
+from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
@@ -189,7 +190,8 @@ class ModelRunner:
         (``parallel/gguf_ranks.py``)."""
         folder = resolved.path if resolved.gguf_file is None else loader.convert_gguf(
             resolved.gguf_file)
-        model = LlamaForCausalLM.build(self.hf_config, self.attn_backend, self.max_model_len,
+        cls = registry.model_class(self.hf_config)
+        model = cls.build(self.hf_config, self.attn_backend, self.max_model_len,
                                        ops, self.device, self.dtype, self.parallel)
         shard = None if layout is None else parallel_weights.read_shard(
             folder, parallel_weights.shard_plan(self.hf_config, layout))

@@ -202,14 +202,21 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     ``token_embd``'s type."""
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    w = GGUFWriter(str(out), "llama")
+    # A Qwen3 config is written as llama.cpp's ``qwen3`` architecture: q/k not interleaved,
+    # q/k norms, the head size as its own keys.
+    arch = "qwen3" if config.model_type == "qwen3" else "llama"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    w = GGUFWriter(str(out), arch)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(config.hidden_size // heads)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
@@ -234,9 +241,13 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
         for suffix, (short, qtype) in _LAYER.items():
             qtype = (types or {}).get(short, qtype)
             t = state[f"model.layers.{i}.{suffix}"]
-            if short in ("attn_q", "attn_k"):
+            if short in ("attn_q", "attn_k") and arch == "llama":
                 t = _permute(t, heads if short == "attn_q" else kv_heads)
             add(f"blk.{i}.{short}.weight", t, qtype)
+        if arch == "qwen3":
+            for short, ours in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+                add(f"blk.{i}.{short}.weight", state[f"model.layers.{i}.self_attn.{ours}.weight"],
+                    None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) in plain torch over paged KV.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) in plain torch over paged KV; the
+base the other families extend (``qwen3.py``; ``registry.py`` picks the class).
 
 Module and parameter names match transformers' ``LlamaForCausalLM`` so its state dicts load
 unchanged. The forward pass takes vLLM V1's flattened batch (all scheduled tokens of all
@@ -38,8 +39,11 @@ def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tenso
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None) and rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        return inv_freq.float(), float(scaling)
+        # On the CPU even inside a meta-device build (``build``): llama3's reads values.
+        ambient = torch.empty(0).device
+        with torch.device("cpu"):
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        return inv_freq.float().to(ambient), float(scaling)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     exponent = torch.arange(0, head_size, 2, dtype=torch.float) / head_size
     return 1.0 / (theta**exponent), 1.0
@@ -121,13 +125,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.backend, self.ops = backend, ops
 
+    def project_qkv(self, x: torch.Tensor, rope: RopeStep):
+        """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x`` ``[T, hidden]``, q and k rotated:
+        what a family changes before attention (``qwen3.Qwen3Attention`` norms q and k)."""
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        return self.ops.rotary_qkv(qkv, rope, self.num_heads, self.num_kv_heads,
+                                   self.head_size)
+
     def forward(self, x: torch.Tensor, rope: RopeStep, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        # q: [T, H, D]; k, v: [T, Hkv, D]
-        q, k, v = self.ops.rotary_qkv(qkv, rope, self.num_heads, self.num_kv_heads,
-                                      self.head_size)
+        q, k, v = self.project_qkv(x, rope)
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_size))
@@ -153,10 +161,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, attention=LlamaAttention):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, backend, ops, parallel)
+        self.self_attn = attention(config, backend, ops, parallel)
         self.mlp = LlamaMLP(config, ops, parallel)
         self.input_layernorm = RMSNorm(h, eps, ops)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
@@ -176,11 +184,11 @@ class LlamaModel(nn.Module):
     """``config``: the full model's; ``local``: this rank's share (``local_config``), the
     same object without parallelism. A pipeline stage builds only its layers (the others are
     ``PPMissingLayer``s, so the layer indices stay global), the first stage the embedding, the
-    last the final norm."""
+    last the final norm. ``attention``: the layers' attention class (the family's)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps, parallel: ParallelContext | None = None,
-                 local: PretrainedConfig | None = None):
+                 local: PretrainedConfig | None = None, attention=LlamaAttention):
         super().__init__()
         local = local or config
         lay = parallel.layout if parallel is not None else None
@@ -193,7 +201,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(local, backend, ops, parallel) if first <= i < last
+            LlamaDecoderLayer(local, backend, ops, parallel, attention) if first <= i < last
             else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -216,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
     # order), as vLLM's ``stacked_params_mapping``.
     stacked_params = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                       ("gate_up_proj", ("gate_proj", "up_proj")))
+    # What a family built on this one changes (``qwen3.Qwen3ForCausalLM``).
+    attention_cls = LlamaAttention
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps | None = None, parallel: ParallelContext | None = None):
@@ -226,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         # What this rank's KV cache holds (its KV heads, its stage's layers).
         self.kv_config = config if parallel is None else local_config(config, parallel.layout)
         self.model = LlamaModel(config, backend, max_positions, self.ops, parallel,
-                                self.kv_config)
+                                self.kv_config, self.attention_cls)
         if parallel is None or parallel.layout.is_last_stage:
             self.lm_head = nn.Linear(config.hidden_size, self.kv_config.vocab_size, bias=False)
         else:

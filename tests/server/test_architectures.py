@@ -1,0 +1,142 @@
+"""The model registry and the families beyond Llama (issue 29), each through the real server
+with greedy output equal to transformers' ``generate`` in float32, chunked prefill and a
+prefix-cache hit included; from safetensors and from GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+from pagedserve.gpu import loader
+from pagedserve.gpu.models import registry
+from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
+from tests.conftest import chat, chat_prompt_ids, hf_gguf_greedy, hf_greedy, serve, stats
+
+# Longer than one 16-token block and than the 32-token step budget once templated.
+PROMPTS = ["Hi",
+           "Tell me a long story about a dragon who learned to paint with watercolors.",
+           "Explain paged attention in one sentence, please, and be brief about it."]
+
+
+def _random_qwen3(path, head_dim: int):
+    """A 2-layer random Qwen3 (4 heads, 2 KV heads, ``head_dim`` unlike hidden / heads = 16,
+    q/k norms with random weights so they matter) with SmolLM2's tokenizer."""
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    torch.manual_seed(77)
+    config = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, vocab_size=49152, rope_theta=1e6,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True, initializer_range=0.1)
+    model = HFQwen3(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, default_model_dir):
+    path = _random_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), head_dim=32)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
+    return path
+
+
+def test_registry_maps_architectures_and_model_types(qwen3_dir):
+    assert registry.model_class(loader.load_config(qwen3_dir)) is Qwen3ForCausalLM
+    for model_type in ("llama", "mistral", "qwen2"):
+        config = Qwen3Config()  # any config object; only the names are read
+        config.architectures, config.model_type = None, model_type
+        assert registry.model_class(config) is LlamaForCausalLM
+
+
+def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
+    with pytest.raises(loader.ModelLoadError) as e:
+        loader.load_config(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "Gemma2ForCausalLM" in msg and "'gemma2'" in msg
+    assert "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, " \
+        "Qwen3ForCausalLM" in msg
+
+
+async def test_qwen3_greedy_matches_transformers(qwen3_dir):
+    async with serve(qwen3_dir, max_num_batched_tokens=32) as client:
+        for prompt in PROMPTS:
+            want = hf_greedy(qwen3_dir, chat_prompt_ids(qwen3_dir, prompt), 16)
+            body = await chat(client, prompt, max_tokens=16)
+            assert body["choices"][0]["token_ids"] == want, prompt
+        before = (await stats(client))["kv_cache"]["prefix_cache_hits"]
+        again = await chat(client, PROMPTS[1], max_tokens=16)  # its full blocks cached
+        after = (await stats(client))["kv_cache"]["prefix_cache_hits"]
+    assert after > before
+    assert again["choices"][0]["token_ids"] == hf_greedy(
+        qwen3_dir, chat_prompt_ids(qwen3_dir, PROMPTS[1]), 16)
+
+
+# Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases and
+# rope_theta 1e6; Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
+# context of 64 so that every frequency band of 16-wide heads is touched).
+LLAMA_CLASS_FAMILIES = {
+    "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"rope_theta": 1e6}),
+    "llama3.2": (LlamaConfig, "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+}
+
+
+@pytest.mark.parametrize("family", LLAMA_CLASS_FAMILIES)
+async def test_llama_class_families_match_transformers(family, tmp_path, default_model_dir):
+    import transformers
+
+    config_cls, arch, extra = LLAMA_CLASS_FAMILIES[family]
+    torch.manual_seed(5)
+    config = config_cls(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        initializer_range=0.1, **extra)
+    model = getattr(transformers, arch)(config)
+    if family == "qwen2.5":  # biases initialise to zero: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(tmp_path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(tmp_path)
+    assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
+    async with serve(tmp_path) as client:
+        for prompt in PROMPTS[1:]:
+            want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
+            body = await chat(client, prompt, max_tokens=16)
+            assert body["choices"][0]["token_ids"] == want, (family, prompt)
+
+
+async def test_qwen3_gguf_kept_quantized_matches_transformers(tmp_path, default_model_dir):
+    """llama.cpp's ``qwen3`` architecture (q/k norms as ``attn_q_norm``/``attn_k_norm``, rows
+    not interleaved), its Q8_0/Q4_0/Q4_1 blocks read in place, against transformers' own
+    reading of the file. ``head_dim`` 128: transformers' GGUF mapping takes Qwen3's default
+    rather than the file's ``attention.key_length``."""
+    from tests.gguf_tiny import write_tiny_gguf
+
+    src = _random_qwen3(tmp_path / "hf", head_dim=128)
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-qwen3.gguf",
+                           loader.load_config(src))
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
+        s = await stats(client)
+        for prompt in PROMPTS[:2]:
+            ids = chat_prompt_ids(default_model_dir, prompt)
+            body = await chat(client, prompt, max_tokens=12)
+            assert body["prompt_token_ids"] == ids
+            assert body["choices"][0]["token_ids"] == hf_gguf_greedy(gguf, ids, 12), prompt
+    assert s["model"]["quantization"] == "gguf"
