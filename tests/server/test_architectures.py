@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from pagedserve.gpu import loader
+from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
@@ -81,6 +82,19 @@ async def test_qwen3_greedy_matches_transformers(qwen3_dir):
     assert after > before
     assert again["choices"][0]["token_ids"] == hf_greedy(
         qwen3_dir, chat_prompt_ids(qwen3_dir, PROMPTS[1]), 16)
+
+
+async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
+    """tp=2 x pp=2: each rank norms its own q/k heads with the whole norm weights."""
+    async with serve(qwen3_dir, parallel=ParallelConfig(2, 2), async_scheduling=True,
+                     max_num_batched_tokens=32) as client:
+        s = await stats(client)
+        for prompt in PROMPTS[1:]:
+            want = hf_greedy(qwen3_dir, chat_prompt_ids(qwen3_dir, prompt), 12)
+            body = await chat(client, prompt, max_tokens=12)
+            assert body["choices"][0]["token_ids"] == want, prompt
+    assert [(r["tp_rank"], r["pp_rank"]) for r in s["model"]["parallel"]] == [
+        (0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 # Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases and
