@@ -15,7 +15,10 @@ from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
 EMBEDDED_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # 2 GiB: ~2,900 blocks of SmolLM2-135M in float32
+# vLLM's documented CPU default (``vllm/envs.py``: "default is 4 GiB"): 32 streams of ~400
+# tokens of a 1.7B model in bfloat16 (196 KB a token) fit without queueing; pages become
+# resident only as blocks are written.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 # --kv-cache-dtype's values: vLLM's (``vllm/config/cache.py``), and int8 (cheaper to read on a
 # CPU, which converts fp8 in software); gpu/kv_cache.cache_dtype maps them to torch dtypes.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -24,7 +27,7 @@ CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def default_cpu_kv_cache_bytes() -> int:
-    """``$VLLM_CPU_KVCACHE_SPACE`` GiB (fractions allowed) when set, else 2 GiB.
+    """``$VLLM_CPU_KVCACHE_SPACE`` GiB (fractions allowed) when set, else 4 GiB.
 
     Raises:
         ValueError: the variable is not a positive number.

@@ -75,7 +75,7 @@ def num_blocks_for(
     also costing ``extra_bytes_per_block`` (a draft model's K/V in the same block layout,
     ``gpu/draft_model.py``).
 
-    CPU: ``kv_cache_memory_bytes`` (default ``$VLLM_CPU_KVCACHE_SPACE`` GiB, else 2 GiB).
+    CPU: ``kv_cache_memory_bytes`` (default ``$VLLM_CPU_KVCACHE_SPACE`` GiB, else 4 GiB, as vLLM).
     CUDA: ``gpu_memory_utilization`` of the
     device's memory, minus what torch holds now (the weights), the peak of the largest step
     (``activation_bytes``, from the runner's profiling pass; a quarter of the weights if not
