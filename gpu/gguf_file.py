@@ -203,3 +203,13 @@ def dequantized(t, dtype: torch.dtype) -> torch.Tensor:
     shape = (out_features(t), in_features(t)) if len(t.shape) > 1 else (in_features(t),)
     # a copy in any case: an F32 tensor's values are a view of the file
     return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype, copy=True)
+
+
+def rope_freq_factors(path: Path) -> list[float] | None:
+    """The file's ``rope_freqs.weight`` (``[head_dim / 2]`` float32), or None: llama.cpp's
+    converter stores Llama 3.x's ``llama3`` RoPE scaling as these per-frequency divisors of the
+    inverse frequencies (its ``rope_factors``), and no metadata key says so, so transformers'
+    GGUF config loses it."""
+    f = open_gguf(path)
+    t = f.tensors.get("rope_freqs.weight")
+    return None if t is None else dequantized(t, torch.float32).tolist()

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from pagedserve.gpu import gguf_file
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 from pagedserve.gpu.gguf_metadata import read_config_and_tokenizer
 from pagedserve.gpu.models import registry
@@ -75,7 +76,7 @@ def _sha256(path: Path) -> str:
 
 
 # Bump when what gguf_metadata_dir writes changes.
-_METADATA_VERSION = "v1"
+_METADATA_VERSION = "v2"  # v2: rope_freq_factors
 
 
 def _file_key(gguf: Path) -> str:
@@ -106,6 +107,9 @@ def gguf_metadata_dir(gguf: Path) -> Path:
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    factors = gguf_file.rope_freq_factors(gguf)
+    if factors is not None:  # read by gpu/models/llama.rope_inv_freq
+        config.rope_freq_factors = factors
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
@@ -168,6 +172,9 @@ def _save_converted(model, tokenizer, tmp: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    factors = gguf_file.rope_freq_factors(gguf)
+    if factors is not None:  # read by gpu/models/llama.rope_inv_freq
+        config.rope_freq_factors = factors
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)

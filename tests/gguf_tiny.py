@@ -28,6 +28,9 @@ _LAYER = {
 }
 
 
+LAYER_SHORTS = tuple(short for short, _ in _LAYER.values())
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row interleave (what ``gguf_linear._unpermute`` undoes)."""
     rows = w.shape[0]
@@ -217,7 +220,9 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0)))
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     _copy_tokenizer(tokenizer_gguf, w)
@@ -235,6 +240,13 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
         else:
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 
+    if rope.get("rope_type") == "llama3":
+        # As llama.cpp's converter stores Llama 3.x's scaling: per-frequency divisors.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        add("rope_freqs.weight", base / scaled.double().numpy(), None)
     add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
     add("output_norm.weight", state["model.norm.weight"], None)
     for i in range(config.num_hidden_layers):

@@ -34,7 +34,9 @@ def attention_head_size(config: PretrainedConfig) -> int:
 def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_size // 2]`` and the cos/sin scaling, per the config's RoPE.
 
-    transformers computes scaled variants (llama3, linear, yarn, ...); the default is ours.
+    transformers computes scaled variants (llama3, linear, yarn, ...); the default is ours,
+    divided by the per-frequency ``rope_freq_factors`` a GGUF file of Llama 3.x carries
+    (``gguf_file.rope_freq_factors``; llama.cpp's ``freq_factors``).
     """
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -46,7 +48,11 @@ def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tenso
         return inv_freq.float().to(ambient), float(scaling)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     exponent = torch.arange(0, head_size, 2, dtype=torch.float) / head_size
-    return 1.0 / (theta**exponent), 1.0
+    inv_freq = 1.0 / (theta**exponent)
+    factors = getattr(config, "rope_freq_factors", None)  # a Llama 3.x GGUF's (loader)
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
+    return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):

@@ -108,8 +108,9 @@ LLAMA_CLASS_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", LLAMA_CLASS_FAMILIES)
-async def test_llama_class_families_match_transformers(family, tmp_path, default_model_dir):
+def _family_dir(family: str, path, default_model_dir):
+    """A 2-layer random model of ``family`` (``LLAMA_CLASS_FAMILIES``) with SmolLM2's
+    tokenizer, saved in ``path``."""
     import transformers
 
     config_cls, arch, extra = LLAMA_CLASS_FAMILIES[family]
@@ -125,9 +126,15 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
             for layer in model.model.layers:
                 layer.self_attn.q_proj.bias.normal_(0, 0.5)
                 layer.self_attn.k_proj.bias.normal_(0, 0.5)
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(tmp_path)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(tmp_path)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", LLAMA_CLASS_FAMILIES)
+async def test_llama_class_families_match_transformers(family, tmp_path, default_model_dir):
+    _family_dir(family, tmp_path, default_model_dir)
     assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
     async with serve(tmp_path) as client:
         for prompt in PROMPTS[1:]:
@@ -154,3 +161,21 @@ async def test_qwen3_gguf_kept_quantized_matches_transformers(tmp_path, default_
             assert body["prompt_token_ids"] == ids
             assert body["choices"][0]["token_ids"] == hf_gguf_greedy(gguf, ids, 12), prompt
     assert s["model"]["quantization"] == "gguf"
+
+
+async def test_llama3_gguf_keeps_its_rope_scaling(tmp_path, default_model_dir):
+    """A Llama 3.x GGUF carries its ``llama3`` RoPE scaling only as the ``rope_freqs`` tensor
+    (transformers' GGUF config drops it): served from the file (float32 tensors, so the
+    oracle is transformers on the original weights), greedy equals the scaled model's."""
+    from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
+
+    src = _family_dir("llama3.2", tmp_path / "hf", default_model_dir)
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-llama3.gguf",
+                           loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
+    factors = loader.load_config(loader.gguf_metadata_dir(gguf)).rope_freq_factors
+    assert len(factors) == 8 and max(factors) == pytest.approx(8.0) and min(factors) == 1.0
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
+        for prompt in PROMPTS[1:]:
+            ids = chat_prompt_ids(src, prompt)
+            body = await chat(client, prompt, max_tokens=16)
+            assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 16), prompt
