@@ -154,8 +154,7 @@ class ModelRunner:
         or packed where that runs faster). Returns the bytes the weights take."""
         mc = self.model_config
         self.hf_config = loader.load_config(resolved.path)
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = mc.max_model_len or model_max
+        self.max_model_len = mc.max_model_len or registry.derived_max_model_len(self.hf_config)
         self.attn_backend = get_attention_backend(self.device, self.dtype)
         kv_cache.check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype,
                                       self.attn_backend)

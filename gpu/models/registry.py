@@ -43,3 +43,28 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     raise UnsupportedArchitecture(
         f"architecture {archs} (model type '{config.model_type}') is not supported; "
         f"supported: {', '.join(ARCHITECTURES)}")
+
+
+# Config attributes that bound the context, as vLLM reads them (the smallest one present).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE types whose configs already state the scaled length in max_position_embeddings.
+_SCALED_ALREADY = (None, "default", "su", "longrope", "llama3")
+
+
+def derived_max_model_len(config: PretrainedConfig) -> int:
+    """The model's own context limit in tokens: the smallest of ``_CONTEXT_KEYS`` (2048 when
+    the config has none), times the RoPE scaling ``factor`` for scalings that extend it
+    (``linear``, ``dynamic``, ``yarn``: from its ``original_max_position_embeddings``), as
+    vLLM's ``_get_and_verify_max_len`` (``vllm/config/model.py``) derives it. A Qwen2.5
+    config with YaRN factor 4 over 32768 positions gives 131072."""
+    lengths = [v for k in _CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)]
+    derived = min(lengths) if lengths else 2048
+    rope = (getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+            or {})
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type not in _SCALED_ALREADY and isinstance(rope.get("factor"), (int, float)):
+        if rope_type == "yarn":
+            derived = rope.get("original_max_position_embeddings") or derived
+        derived = int(derived * rope["factor"])
+    return derived

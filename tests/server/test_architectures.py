@@ -59,6 +59,21 @@ def test_registry_maps_architectures_and_model_types(qwen3_dir):
         assert registry.model_class(config) is LlamaForCausalLM
 
 
+def test_max_model_len_follows_each_configs_rules():
+    def derived(**kw) -> int:
+        return registry.derived_max_model_len(LlamaConfig(**kw))
+
+    assert derived(max_position_embeddings=4096) == 4096
+    assert derived(max_position_embeddings=32768, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "rope_theta": 1e6}) == 131072  # Qwen2.5's long-context config
+    assert derived(max_position_embeddings=4096, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}) == 8192
+    assert derived(max_position_embeddings=131072, rope_parameters={  # Llama 3.1
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 5e5}) == 131072
+
+
 def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
@@ -97,11 +112,13 @@ async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
         (0, 0), (1, 0), (0, 1), (1, 1)]
 
 
-# Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases and
-# rope_theta 1e6; Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
+# Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases,
+# rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512); Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
 # context of 64 so that every frequency band of 16-wide heads is touched).
 LLAMA_CLASS_FAMILIES = {
-    "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"rope_theta": 1e6}),
+    "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"max_position_embeddings": 512,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                    "original_max_position_embeddings": 512}}),
     "llama3.2": (LlamaConfig, "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
@@ -115,11 +132,11 @@ def _family_dir(family: str, path, default_model_dir):
 
     config_cls, arch, extra = LLAMA_CLASS_FAMILIES[family]
     torch.manual_seed(5)
-    config = config_cls(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
-        initializer_range=0.1, **extra)
+    config = config_cls(**{
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152,
+        "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 2, "tie_word_embeddings": True, "initializer_range": 0.1, **extra})
     model = getattr(transformers, arch)(config)
     if family == "qwen2.5":  # biases initialise to zero: make them count
         with torch.no_grad():
@@ -136,7 +153,10 @@ def _family_dir(family: str, path, default_model_dir):
 async def test_llama_class_families_match_transformers(family, tmp_path, default_model_dir):
     _family_dir(family, tmp_path, default_model_dir)
     assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
-    async with serve(tmp_path) as client:
+    async with serve(tmp_path, max_model_len=None) as client:
+        models = (await client.get("/v1/models")).json()["data"]
+        # vLLM's rule: YaRN's factor times its original length; llama3 states its own.
+        assert models[0]["max_model_len"] == 2048
         for prompt in PROMPTS[1:]:
             want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
             body = await chat(client, prompt, max_tokens=16)
