@@ -155,6 +155,12 @@ class ModelRunner:
         mc = self.model_config
         self.hf_config = loader.load_config(resolved.path)
         self.max_model_len = mc.max_model_len or registry.derived_max_model_len(self.hf_config)
+        window = registry.unhonoured_sliding_window(self.hf_config)
+        if window is not None and self.max_model_len > window:
+            raise loader.ModelLoadError(
+                f"--max-model-len {self.max_model_len} is longer than the model's sliding "
+                f"window ({window} tokens), which pagedserve's attention does not apply yet: "
+                f"use --max-model-len {window} or less (outputs are exact within it)")
         self.attn_backend = get_attention_backend(self.device, self.dtype)
         kv_cache.check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype,
                                       self.attn_backend)

@@ -57,7 +57,8 @@ def derived_max_model_len(config: PretrainedConfig) -> int:
     the config has none), times the RoPE scaling ``factor`` for scalings that extend it
     (``linear``, ``dynamic``, ``yarn``: from its ``original_max_position_embeddings``), as
     vLLM's ``_get_and_verify_max_len`` (``vllm/config/model.py``) derives it. A Qwen2.5
-    config with YaRN factor 4 over 32768 positions gives 131072."""
+    config with YaRN factor 4 over 32768 positions gives 131072. Capped to a sliding window
+    (``unhonoured_sliding_window``)."""
     lengths = [v for k in _CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)]
     derived = min(lengths) if lengths else 2048
     rope = (getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
@@ -67,4 +68,18 @@ def derived_max_model_len(config: PretrainedConfig) -> int:
         if rope_type == "yarn":
             derived = rope.get("original_max_position_embeddings") or derived
         derived = int(derived * rope["factor"])
-    return derived
+    window = unhonoured_sliding_window(config)
+    return derived if window is None else min(derived, window)
+
+
+def unhonoured_sliding_window(config: PretrainedConfig) -> int | None:
+    """The config's attention window in tokens when the model uses one (Mistral v0.1's 4096,
+    Phi-3's 2047; Qwen2/3 only with ``use_sliding_window``), else None. Our attention is
+    full, so the context is capped to it, as vLLM's ``--disable-sliding-window`` caps
+    ``max_model_len``: within the window full and windowed attention are the same."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window

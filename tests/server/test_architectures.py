@@ -8,7 +8,14 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
@@ -114,11 +121,14 @@ async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
 
 # Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases,
 # rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512); Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
-# context of 64 so that every frequency band of 16-wide heads is touched).
+# context of 64 so that every frequency band of 16-wide heads is touched); Mistral v0.1's
+# sliding window, which caps the context.
 LLAMA_CLASS_FAMILIES = {
     "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"max_position_embeddings": 512,
+                "sliding_window": 16, "use_sliding_window": False,  # Qwen's configs: unused
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                     "original_max_position_embeddings": 512}}),
+    "mistral-v0.1": (MistralConfig, "MistralForCausalLM", {"sliding_window": 64}),
     "llama3.2": (LlamaConfig, "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
@@ -155,9 +165,10 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
     assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
     async with serve(tmp_path, max_model_len=None) as client:
         models = (await client.get("/v1/models")).json()["data"]
-        # vLLM's rule: YaRN's factor times its original length; llama3 states its own.
-        assert models[0]["max_model_len"] == 2048
-        for prompt in PROMPTS[1:]:
+        # vLLM's rules: YaRN's factor times its original length; llama3 states its own; a
+        # sliding window we do not apply caps the context (within it attention is full).
+        assert models[0]["max_model_len"] == (64 if family == "mistral-v0.1" else 2048)
+        for prompt in PROMPTS[1:] if family != "mistral-v0.1" else PROMPTS[:1]:
             want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
             body = await chat(client, prompt, max_tokens=16)
             assert body["choices"][0]["token_ids"] == want, (family, prompt)
@@ -199,3 +210,10 @@ async def test_llama3_gguf_keeps_its_rope_scaling(tmp_path, default_model_dir):
             ids = chat_prompt_ids(src, prompt)
             body = await chat(client, prompt, max_tokens=16)
             assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 16), prompt
+
+
+async def test_a_context_past_an_unapplied_sliding_window_is_refused(tmp_path, default_model_dir):
+    _family_dir("mistral-v0.1", tmp_path, default_model_dir)
+    with pytest.raises(loader.ModelLoadError, match="sliding window .64 tokens.*--max-model-len 64"):
+        async with serve(tmp_path, max_model_len=128):
+            pass
