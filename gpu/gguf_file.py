@@ -31,6 +31,8 @@ LAYER_TENSORS = {
 LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 # Norms over each head of q and k (Qwen3), after ``model.layers.{i}.self_attn.``.
 HEAD_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+# The ``general.architecture``s whose tensors these names cover.
+READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
 PERMUTED_ARCHS = {"llama", "mistral"}
 

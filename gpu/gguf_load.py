@@ -207,6 +207,10 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
         ValueError: a tensor gguf-py cannot de-quantize where no kernel reads it.
     """
     f = gf.open_gguf(path)
+    if f.arch not in gf.READ_ARCHS:
+        raise ModelLoadError(
+            f"{path.name}: GGUF architecture '{f.arch}' is not read yet (GGUF: "
+            f"{', '.join(gf.READ_ARCHS)}); serve the model's safetensors checkpoint instead")
     with torch.device("meta"):
         model = registry.model_class(config)(config, backend, max_positions, ops)
     b = _Builder(f, config, dtype, plan)

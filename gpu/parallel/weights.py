@@ -6,6 +6,7 @@ The split of each tensor (Megatron-LM's, as vLLM's ``weight_loader``s do it):
 
 - ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj`` (column-parallel): rows of
   the rank's heads / intermediate range, biases likewise;
+- ``qkv_proj``, ``gate_up_proj`` stored fused (Phi-3): each part's rows as above, concatenated;
 - ``o_proj``, ``down_proj`` (row-parallel): columns; a ``down_proj`` bias only on the first
   rank (the all-reduce would add it ``tp`` times);
 - ``embed_tokens``, ``lm_head``: the rank's vocabulary rows, zero-padded to ``V/tp``;
@@ -30,6 +31,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _COLUMN = {"q_proj": "q_heads", "k_proj": "kv_heads", "v_proj": "kv_heads",
            "gate_proj": "intermediate", "up_proj": "intermediate"}
 _ROW = {"o_proj": "q_heads", "down_proj": "intermediate"}
+# Projections a checkpoint stores fused (Phi-3): each part split as its own projection.
+_FUSED = {"qkv_proj": ("q_heads", "kv_heads", "kv_heads"),
+          "gate_up_proj": ("intermediate", "intermediate")}
 
 # What to read of one checkpoint tensor: ``None`` (not on this rank), or
 # ``(dim, start, stop, padded_rows, zero)``: rows/columns ``[start, stop)`` of ``dim``, padded
@@ -37,8 +41,10 @@ _ROW = {"o_proj": "q_heads", "down_proj": "intermediate"}
 Plan = tuple[int, int, int, int | None, bool] | None
 
 
-def shard_plan(config: PretrainedConfig, layout: RankLayout) -> Callable[[str, tuple], Plan]:
-    """``plan(name, shape)`` for this rank (``Plan`` says what it returns)."""
+def shard_plan(config: PretrainedConfig,
+               layout: RankLayout) -> Callable[[str, tuple], Plan | list[Plan]]:
+    """``plan(name, shape)`` for this rank (``Plan`` says what it returns; a list of them for
+    a fused checkpoint tensor, its parts' slices concatenated)."""
     _, _, head_size = _heads(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
 
@@ -47,12 +53,26 @@ def shard_plan(config: PretrainedConfig, layout: RankLayout) -> Callable[[str, t
         unit = head_size if attr.endswith("heads") else 1
         return start * unit, stop * unit
 
-    def plan(name: str, shape: tuple) -> Plan:
+    heads, kv_heads, _ = _heads(config)
+    full = {"q_heads": heads * head_size, "kv_heads": kv_heads * head_size,
+            "intermediate": config.intermediate_size}
+
+    def part_rows(attr: str) -> int:
+        return full[attr]
+
+    def plan(name: str, shape: tuple) -> Plan | list[Plan]:
         m = _LAYER.match(name)
         if m:
             if not layout.layers[0] <= int(m.group(1)) < layout.layers[1]:
                 return None
             proj = name.split(".")[-2]
+            if proj in _FUSED:  # the parts' rank rows, each from its offset in the tensor
+                plans, offset = [], 0
+                for attr in _FUSED[proj]:
+                    start, stop = span(attr)
+                    plans.append((0, offset + start, offset + stop, None, False))
+                    offset += part_rows(attr)
+                return plans
             if proj in _COLUMN:
                 return (0, *span(_COLUMN[proj]), None, False)
             if proj in _ROW:
@@ -85,7 +105,8 @@ def _take(tensor_slice, shape: tuple, plan: tuple) -> torch.Tensor:
     return part
 
 
-def read_shard(path: Path, plan: Callable[[str, tuple], Plan]) -> dict[str, torch.Tensor]:
+def read_shard(path: Path,
+               plan: Callable[[str, tuple], Plan | list[Plan]]) -> dict[str, torch.Tensor]:
     """This rank's slices of every tensor of the directory's safetensors files.
 
     Raises:
@@ -101,7 +122,9 @@ def read_shard(path: Path, plan: Callable[[str, tuple], Plan]) -> dict[str, torc
                 sl = st.get_slice(name)
                 shape = tuple(sl.get_shape())
                 p = plan(name, shape)
-                if p is not None:
+                if isinstance(p, list):
+                    state[name] = torch.cat([_take(sl, shape, part) for part in p])
+                elif p is not None:
                     state[name] = _take(sl, shape, p)
     return state
 
