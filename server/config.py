@@ -65,6 +65,14 @@ class ServingConfig:
         "env": "PAGEDSERVE_ADMIN_KEY",
         "default_text": "$PAGEDSERVE_ADMIN_KEY",
     })
+    max_logprobs: int = field(default=20, metadata={
+        "help": "most top logprobs a request may ask per token (`logprobs`, `top_logprobs`, "
+                "`prompt_logprobs`; -1 in a request means the whole vocabulary); -1 = no cap",
+    })
+    enable_prompt_tokens_details: bool = field(default=False, metadata={
+        "help": "answer `usage.prompt_tokens_details` (`cached_tokens`: prompt tokens the "
+                "prefix cache held); else it is null, as in vLLM",
+    })
     max_stored_responses: int = field(default=1000, metadata={
         "help": "responses of /v1/responses kept in memory for previous_response_id (least "
                 "recently used dropped first; 0 = none)",
