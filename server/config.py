@@ -47,7 +47,9 @@ class ServingConfig:
     })
     # The admin routes fall back to the API key when no admin key is set.
     api_key: str | None = field(default=None, metadata={
-        "help": "require `Authorization: Bearer <key>` on every route but /health",
+        "help": "require `Authorization: Bearer <key>` on the API routes (/v1/*, /invocations, "
+                "/tokenize, /detokenize, /version, /reset_prefix_cache); probes, pages and "
+                "the schema stay open",
         "env": "PAGEDSERVE_API_KEY",
         "default_text": "$PAGEDSERVE_API_KEY, else none",
     })
