@@ -29,6 +29,7 @@ except ValueError:
     pass  # a bad PAGEDSERVE_CPU_ISA is refused, with its message, when the kernels load
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 import structlog
 
@@ -48,7 +49,15 @@ def package_version() -> str:
         return "0.0.0+unknown"
 
 
-class ServeParser(argparse.ArgumentParser):
+class BriefErrors(argparse.ArgumentParser):
+    """A usage error is its message and a one-line hint, exit status 2: argparse's usage
+    line lists every flag (40 lines for ``serve``), burying the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help` for the flags\n")
+
+
+class ServeParser(BriefErrors):
     """The top-level parser; ``parse_args`` reports a ``serve`` command line's unknown
     arguments under ``serve``'s usage (not the top level's), with the closest flag."""
 
@@ -81,7 +90,7 @@ def build_parser() -> ServeParser:
     doc = __doc__.split("\n\n")[0].replace("``", "`")
     parser = ServeParser(prog="pagedserve", description=doc)
     parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=BriefErrors)
     s = sub.add_parser("serve", help="serve a model over the OpenAI API",
                        epilog=vllm_flags.epilog())
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
