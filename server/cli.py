@@ -34,6 +34,7 @@ from typing import NoReturn
 import structlog
 
 from pagedserve.actors.dp_config import DataParallelConfig
+from pagedserve.gpu.config import CPU_KV_CACHE_ENV
 from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
@@ -71,6 +72,8 @@ class ServeParser(BriefErrors):
         if extras:
             target = self.serve if getattr(parsed, "command", None) == "serve" else self
             target.error(_unknown_message(target, extras))
+        # The long options written out (a default cannot tell "given" from "left alone").
+        parsed.given_flags = frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--"))
         return parsed
 
 
@@ -131,6 +134,20 @@ def _read_template(value: str | None) -> str | None:
         return f.read()
 
 
+def warn_cpu_ignores_gpu_memory_utilization(args: argparse.Namespace) -> None:
+    """``--gpu-memory-utilization`` sizes the KV cache on CUDA only: given for a CPU engine it
+    would otherwise be accepted and do nothing, silently."""
+    if "--gpu-memory-utilization" not in getattr(args, "given_flags", ()):
+        return
+    import torch
+
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+        return
+    log.warning("gpu_memory_utilization_ignored", value=args.gpu_memory_utilization,
+                device="cpu", hint=f"it sizes the KV cache on CUDA only; on the CPU use "
+                f"--kv-cache-memory-bytes (e.g. 4G) or ${CPU_KV_CACHE_ENV} (GiB)")
+
+
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
@@ -149,6 +166,7 @@ async def serve(args: argparse.Namespace) -> None:
         if code := await run_headless(engine_config(args), dp, args.log_level):
             raise SystemExit(code)
         return
+    warn_cpu_ignores_gpu_memory_utilization(args)
     if args.api_key is None and not _is_loopback(server.host):
         log.warning("no_api_key_on_public_address", host=server.host,
                     hint="anyone who reaches this address can use the server: set --api-key")
