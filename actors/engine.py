@@ -40,6 +40,7 @@ from pagedserve.actors.request_stream import (
     RequestStream,
 )
 from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.spec_config import SpeculativeConfig
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output import (
     CompiledConstraint,
@@ -63,6 +64,19 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+
+
+def _log_speculative(spec: SpeculativeConfig | None) -> None:
+    """Say at start that speculative decoding is on, and how: it changes every step's work,
+    and a server started from a script should show what it runs."""
+    if spec is None:
+        return
+    ngram = spec.method == "ngram"
+    log.info("speculative_decoding", method=spec.method,
+             num_speculative_tokens=spec.num_speculative_tokens, draft_model=spec.model,
+             prompt_lookup_max=spec.prompt_lookup_max if ngram else None,
+             prompt_lookup_min=spec.prompt_lookup_min if ngram else None,
+             disable_by_batch_size=spec.disable_by_batch_size)
 
 
 class AsyncEngine(GenerateMixin):
@@ -142,6 +156,7 @@ class AsyncEngine(GenerateMixin):
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
         )
+        _log_speculative(config.scheduler.speculative)
         return cls(config, info, tokenizer, scheduler, executor, stat_loggers,
                    structured_output)
 

@@ -107,7 +107,8 @@ class CacheConfig:
         "choices": KV_CACHE_DTYPES,
     })
     gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "share of GPU memory the engine may use (CUDA)",
+        "help": "share of GPU memory the engine may use (CUDA; on the CPU it does nothing: "
+                "--kv-cache-memory-bytes)",
     })
     # Tests also use it to force preemption.
     num_gpu_blocks_override: int | None = field(default=None, metadata={

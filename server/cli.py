@@ -29,11 +29,12 @@ except ValueError:
     pass  # a bad PAGEDSERVE_CPU_ISA is refused, with its message, when the kernels load
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 import structlog
 
 from pagedserve.actors.dp_config import DataParallelConfig
-from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
+from pagedserve.gpu.config import CPU_KV_CACHE_ENV, EMBEDDED_SERVED_NAME
 from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
@@ -50,7 +51,15 @@ def package_version() -> str:
         return "0.0.0+unknown"
 
 
-class ServeParser(argparse.ArgumentParser):
+class BriefErrors(argparse.ArgumentParser):
+    """A usage error is its message and a one-line hint, exit status 2: argparse's usage
+    line lists every flag (40 lines for ``serve``), burying the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help` for the flags\n")
+
+
+class ServeParser(BriefErrors):
     """The top-level parser; ``parse_args`` reports a ``serve`` command line's unknown
     arguments under ``serve``'s usage (not the top level's), with the closest flag."""
 
@@ -64,6 +73,8 @@ class ServeParser(argparse.ArgumentParser):
         if extras:
             target = self.serve if getattr(parsed, "command", None) == "serve" else self
             target.error(_unknown_message(target, extras))
+        # The long options written out (a default cannot tell "given" from "left alone").
+        parsed.given_flags = frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--"))
         return parsed
 
 
@@ -83,7 +94,7 @@ def build_parser() -> ServeParser:
     doc = __doc__.split("\n\n")[0].replace("``", "`")
     parser = ServeParser(prog="pagedserve", description=doc)
     parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=BriefErrors)
     s = sub.add_parser("serve", help="serve a model over the OpenAI API",
                        epilog=vllm_flags.epilog())
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -147,6 +158,20 @@ def _generation_defaults(model: str | None, args: argparse.Namespace) -> Generat
     return defaults
 
 
+def warn_cpu_ignores_gpu_memory_utilization(args: argparse.Namespace) -> None:
+    """``--gpu-memory-utilization`` sizes the KV cache on CUDA only: given for a CPU engine it
+    would otherwise be accepted and do nothing, silently."""
+    if "--gpu-memory-utilization" not in getattr(args, "given_flags", ()):
+        return
+    import torch
+
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+        return
+    log.warning("gpu_memory_utilization_ignored", value=args.gpu_memory_utilization,
+                device="cpu", hint=f"it sizes the KV cache on CUDA only; on the CPU use "
+                f"--kv-cache-memory-bytes (e.g. 4G) or ${CPU_KV_CACHE_ENV} (GiB)")
+
+
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
@@ -165,6 +190,7 @@ async def serve(args: argparse.Namespace) -> None:
         if code := await run_headless(engine_config(args), dp, args.log_level):
             raise SystemExit(code)
         return
+    warn_cpu_ignores_gpu_memory_utilization(args)
     if args.api_key is None and not _is_loopback(server.host):
         log.warning("no_api_key_on_public_address", host=server.host,
                     hint="anyone who reaches this address can use the server: set --api-key")

@@ -48,7 +48,9 @@ class ServingConfig:
     })
     # The admin routes fall back to the API key when no admin key is set.
     api_key: str | None = field(default=None, metadata={
-        "help": "require `Authorization: Bearer <key>` on every route but /health",
+        "help": "require `Authorization: Bearer <key>` on the API routes (/v1/*, /invocations, "
+                "/tokenize, /detokenize, /version, /reset_prefix_cache); probes, pages and "
+                "the schema stay open",
         "env": "PAGEDSERVE_API_KEY",
         "default_text": "$PAGEDSERVE_API_KEY, else none",
     })
@@ -81,6 +83,14 @@ class ServingConfig:
     })
     # Resolved by the CLI from the two flags above and the model's folder.
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    max_logprobs: int = field(default=20, metadata={
+        "help": "most top logprobs a request may ask per token (`logprobs`, `top_logprobs`, "
+                "`prompt_logprobs`; -1 in a request means the whole vocabulary); -1 = no cap",
+    })
+    enable_prompt_tokens_details: bool = field(default=False, metadata={
+        "help": "answer `usage.prompt_tokens_details` (`cached_tokens`: prompt tokens the "
+                "prefix cache held); else it is null, as in vLLM",
+    })
     max_stored_responses: int = field(default=1000, metadata={
         "help": "responses of /v1/responses kept in memory for previous_response_id (least "
                 "recently used dropped first; 0 = none)",

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.server.errors import OpenAIError
+from pagedserve.server.protocol import EMPTY_PROMPT
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; `logprobs` and `prompt_logprobs` both
 
@@ -37,7 +38,7 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
     """The batch of a completion's ``prompt`` field (one entry when it is a single prompt).
     Raises ``OpenAIError`` (400) for a missing or empty one."""
     if not prompt:
-        raise OpenAIError("prompt: a prompt must be given and non-empty", param="prompt")
+        raise OpenAIError(f"prompt: {EMPTY_PROMPT}", param="prompt")
     if isinstance(prompt, str):
         return [prompt]
     if prompt and all(isinstance(p, int) for p in prompt):
@@ -64,7 +65,7 @@ def tokenize(prompt: str | list[int], tokenizer: PreTrainedTokenizerBase, vocab_
         check_token_ids(prompt, vocab_size, "prompt")
         ids = list(prompt)
     if not ids:
-        raise OpenAIError("prompt: a prompt must be given and non-empty", param="prompt")
+        raise OpenAIError(f"prompt: {EMPTY_PROMPT}", param="prompt")
     cut = truncate_ids(ids, truncate, side, max_model_len)
     if isinstance(prompt, str) and len(cut) == len(ids):
         return PromptInput(cut, prompt)
@@ -93,16 +94,28 @@ def truncate_ids(ids: list[int], truncate: int | None, side: str | None,
     return ids[:truncate] if side == "right" else ids[-truncate:]
 
 
-def check_logprob_fields(body: Any, vocab_size: int, logprobs: int | None) -> None:
-    """``prompt_logprobs`` (-1 means the whole vocabulary, which is over the cap: a 400 as in
-    vLLM) and ``logprob_token_ids`` (need ``logprobs``; ids in the vocabulary).
-    Raises ``OpenAIError`` (400)."""
-    k = body.prompt_logprobs
-    if k is not None:
-        asked = vocab_size if k == -1 else k
-        if asked > MAX_LOGPROBS:
-            raise OpenAIError(f"Requested prompt logprobs of {asked}, which is greater than "
-                              f"max allowed: {MAX_LOGPROBS}", param="prompt_logprobs")
+def whole_vocab(k: int | None, vocab_size: int) -> int | None:
+    """vLLM's ``-1`` for ``logprobs``/``top_logprobs``/``prompt_logprobs``: every token."""
+    return vocab_size if k == -1 else k
+
+
+def check_logprobs_cap(k: int | None, max_logprobs: int, vocab_size: int, kind: str,
+                       param: str) -> None:
+    """vLLM's ``--max-logprobs`` rule (``-1``: the vocabulary is the cap), with its words.
+    ``k`` is already resolved (``whole_vocab``). Raises ``OpenAIError`` (400)."""
+    cap = whole_vocab(max_logprobs, vocab_size)
+    if k is not None and k > cap:
+        raise OpenAIError(f"Requested {kind} logprobs of {k}, which is greater than max "
+                          f"allowed: {cap}", param=param)
+
+
+def check_logprob_fields(body: Any, vocab_size: int, logprobs: int | None,
+                         max_logprobs: int = MAX_LOGPROBS) -> None:
+    """``prompt_logprobs`` (-1 means the whole vocabulary, over the default cap: a 400 as in
+    vLLM; ``logprobs`` comes resolved and checked by the caller) and ``logprob_token_ids``
+    (need ``logprobs``; ids in the vocabulary). Raises ``OpenAIError`` (400)."""
+    check_logprobs_cap(whole_vocab(body.prompt_logprobs, vocab_size), max_logprobs,
+                       vocab_size, "prompt", "prompt_logprobs")
     ids = body.logprob_token_ids
     if ids is not None:
         if logprobs is None:

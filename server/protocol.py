@@ -5,16 +5,18 @@ where it and OpenAI differ we follow vLLM (extra sampling fields such as ``top_k
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ``max_tokens`` absent means "up to the
 context limit"). Unknown fields are ignored, as vLLM does.
 
-Types are strict, as OpenAI's are: ``"stream": "true"`` or ``"max_tokens": "12"`` is a 400, not
-silently coerced (an integer is still a valid float).
+Types are strict, as OpenAI's are: ``"max_tokens": "12"`` is a 400, not silently coerced (an
+integer is still a valid float). Booleans are the exception, lax as in vLLM's models (pydantic's
+default): ``"logprobs": "true"``, ``"yes"``, ``1`` are true, and clients that send them (vLLM's
+own tests do) work here too; ``"maybe"`` or ``5`` is still a 400.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from pagedserve.server.structured_output_fields import StructuredOutputFields
 from pagedserve.server.tool_protocol import (
@@ -29,7 +31,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# pydantic's lax booleans ("true"/"false", "1"/"0", "yes"/"no", "on"/"off", 0/1), as vLLM takes.
+LaxBool = Annotated[bool, Strict(False)]
+
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # ASCII digits only: int() also takes "٣", not "²"
+
+
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
 
 
 class TextPart(_Body):
@@ -38,7 +46,8 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role: the chat template renders what it knows (vLLM passes custom roles through).
+    role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallInHistory] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -73,8 +82,8 @@ class ChatMessage(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: LaxBool = False
+    continuous_usage_stats: LaxBool = False
 
 
 class _SamplingBody(StructuredOutputFields, _Body):
@@ -88,19 +97,19 @@ class _SamplingBody(StructuredOutputFields, _Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM
     min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: LaxBool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: LaxBool = False
+    skip_special_tokens: LaxBool = True
     n: int = Field(default=1, ge=1, le=128)
-    stream: bool = False
+    stream: LaxBool = False
     stream_options: StreamOptions | None = None
     priority: int = 0  # vLLM: lower runs earlier; needs --scheduling-policy priority
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache isolation
-    return_token_ids: bool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
+    return_token_ids: LaxBool = False  # vLLM: choices carry token_ids, the answer prompt_token_ids
     # vLLM's disaggregated prefill/decode fields (do_remote_decode, do_remote_prefill,
     # remote_engine_id, remote_block_ids, remote_host, remote_port), for the KV connector;
     # the answer carries the connector's reply under the same name.
@@ -108,11 +117,11 @@ class _SamplingBody(StructuredOutputFields, _Body):
     # vLLM's logprob and prompt fields (checks needing the vocabulary: server/prompts.py).
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = Field(default=None, min_length=1)
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: LaxBool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, lt=2**63)
     truncation_side: Literal["left", "right"] | None = None
     # Beam search (vLLM's fields; n is the width; server/beam_search.py).
-    use_beam_search: bool = False
+    use_beam_search: LaxBool = False
     # Finite and within ±10 (vLLM takes any float): past that, length ** penalty leaves
     # float32 for a few thousand tokens and only the length ranks (actors/beam_search.py).
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
@@ -143,16 +152,19 @@ class _SamplingBody(StructuredOutputFields, _Body):
 class ChatCompletionRequest(ToolFields, _SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    echo: bool = False  # vLLM: the last message, if the assistant's, prefixes the answer
+    logprobs: LaxBool = False
+    top_logprobs: int | None = None  # -1: the whole vocabulary (capped: --max-logprobs)
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False
+    echo: LaxBool = False  # vLLM: the last message, if the assistant's, prefixes the answer
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> Any:
-        if self.top_logprobs and not self.logprobs:
+        k = self.top_logprobs
+        if k is not None and k < -1:
+            raise ValueError("top_logprobs: `top_logprobs` must be a positive value or -1.")
+        if k and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         check_continuation(self.messages, self.add_generation_prompt,
                            self.continue_final_message)
@@ -173,13 +185,15 @@ class CompletionRequest(_SamplingBody):
     # One prompt (text or token ids) or a batch of them: one choice per prompt and n. Missing
     # or empty: a 400 in words (server/prompts.py), not pydantic's.
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: LaxBool = False
+    logprobs: int | None = None  # -1: the whole vocabulary (capped: --max-logprobs)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> Any:
         if not self.prompt:
-            raise ValueError("prompt: a prompt must be given and non-empty")
+            raise ValueError(f"prompt: {EMPTY_PROMPT}")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError("logprobs: `logprobs` must be a positive value or -1.")
         return self
 
 
@@ -192,11 +206,11 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDefinition] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: LaxBool = True
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: LaxBool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> Any:

@@ -40,6 +40,8 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] != "value_error":  # pydantic's own check: name it, as vLLM's message does
+            msg = f"{msg} [type={err['type']}]"
         param = str(err["loc"][0]) if err["loc"] else None  # the top-level field
         if param is None and ":" in msg:  # our model validators say "field: problem"
             param = msg.split(":", 1)[0]

@@ -71,6 +71,7 @@ class ResponseBuilder:
     prompt_logprobs: bool = False  # the client asked for prompt_logprobs
     want_logprobs: bool = False  # the client asked for logprobs
     tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the text
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: cached_tokens shown
 
     def prompt_of(self, index: int) -> PromptInput:
         return self.prompts[index // self.n]
@@ -83,6 +84,9 @@ class ResponseBuilder:
             obj = "text_completion"
         body = {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.model, "choices": choices}
+        if not chunk:  # vLLM's whole answers carry OpenAI's optional keys, as null
+            body["service_tier"] = None
+            body["system_fingerprint"] = None
         if self.chat and not chunk:
             body["prompt_logprobs"] = self._prompt_logprobs(0, prompt_lps)
             body["prompt_token_ids"] = self._prompt_ids(0)
@@ -108,7 +112,7 @@ class ResponseBuilder:
         if self.chat and chunk:
             c: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {}}
         elif self.chat:
-            c = {"index": index, "message": {"role": "assistant", "content": text}}
+            c = {"index": index, "message": whole_message(text)}
         else:
             c = {"index": index, "text": text}
         c["logprobs"] = self._logprobs(index, token_ids, logprobs, offset, echo_lps)
@@ -148,11 +152,25 @@ class ResponseBuilder:
             return self.chat_echo or ""
         return self.prompt_of(index).text if self.echo else ""
 
-    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def usage(self, completion_tokens: int, cached_tokens: int = 0, chunk: bool = False) -> dict:
+        """Token counts; ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details``
+        (as vLLM: else ``null`` in a whole answer, absent from a stream's)."""
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        elif not chunk:
+            usage["prompt_tokens_details"] = None
+        return usage
+
+
+def whole_message(text: str) -> dict[str, Any]:
+    """A whole answer's message with vLLM's keys: OpenAI's optional ones as ``null``, no calls
+    as ``[]`` (vLLM's ``ChatMessage``); ``shape_message`` fills in calls."""
+    return {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+            "audio": None, "function_call": None, "tool_calls": []}
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, GenerationDelta]]:
@@ -285,7 +303,7 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
     continuous_usage = continuous_usage and include_usage
 
     def usage() -> dict:
-        return builder.usage(sum(tally.tokens), tally.cached_tokens(builder.n))
+        return builder.usage(sum(tally.tokens), tally.cached_tokens(builder.n), chunk=True)
 
     def chunk(choices: list[dict], first: bool = False) -> str:
         body = builder.envelope(choices, chunk=True, first=first)

@@ -36,10 +36,12 @@ from pagedserve.server.logprobs_format import LogprobsFormatter
 from pagedserve.server.prompts import (
     PromptInput,
     check_logprob_fields,
+    check_logprobs_cap,
     check_token_ids,
     completion_prompts,
     tokenize,
     truncate_ids,
+    whole_vocab,
 )
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingBody
 from pagedserve.server.request_body import parse_body
@@ -115,7 +117,7 @@ class Serving:
                                        if k not in body.model_fields_set})
         if body.min_tokens > max_tokens:
             raise OpenAIError("min_tokens: must not exceed max_tokens", param="min_tokens")
-        check_logprob_fields(body, self.vocab_size, logprobs)
+        check_logprob_fields(body, self.vocab_size, logprobs, self.config.max_logprobs)
         bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
         self.check_token_ids(bias, "logit_bias")
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
@@ -129,8 +131,15 @@ class Serving:
             stop_token_ids=list(body.stop_token_ids), ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
             logprob_token_ids=body.logprob_token_ids,
-            prompt_logprobs=self._prompt_logprobs(body, logprobs),
+            prompt_logprobs=whole_vocab(self._prompt_logprobs(body, logprobs), self.vocab_size),
         )
+
+    def _sample_logprobs(self, k: int | None, param: str) -> int | None:
+        """How many top alternatives per sampled token (``-1``: the vocabulary), within
+        ``--max-logprobs``; ``None``: no logprobs. Raises ``OpenAIError`` (400)."""
+        k = whole_vocab(k, self.vocab_size)
+        check_logprobs_cap(k, self.config.max_logprobs, self.vocab_size, "sample", param)
+        return k
 
     @staticmethod
     def _prompt_logprobs(body: _SamplingBody, logprobs: int | None) -> int | None:
@@ -210,7 +219,8 @@ class Serving:
             rendered.token_ids, body.truncate_prompt_tokens, body.truncation_side,
             self.max_model_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        logprobs = self._sample_logprobs((body.top_logprobs or 0) if body.logprobs else None,
+                                         "top_logprobs")
         params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)
         if tools is not None and keeps_special_tokens(tools.parser, self.tokenizer):
             params.skip_special_tokens = False
@@ -225,8 +235,9 @@ class Serving:
         prompts = [tokenize(p, self.tokenizer, self.vocab_size, body.truncate_prompt_tokens,
                             body.truncation_side, self.max_model_len)
                    for p in completion_prompts(body.prompt)]
+        logprobs = self._sample_logprobs(body.logprobs, "logprobs")
         params = [self._sampling_params(body, len(p.token_ids), body.max_tokens, "prompt",
-                                        body.logprobs) for p in prompts]
+                                        logprobs) for p in prompts]
         return await self._respond(request, body, prompts, params, chat=False)
 
     async def _respond(self, request: Request, body: Any, prompts: list[PromptInput],
@@ -262,6 +273,7 @@ class Serving:
                 prompt_logprobs=body.prompt_logprobs is not None,
                 want_logprobs=params[0].logprobs is not None,
                 tool_parser=tools.parser if tools else None,
+                prompt_tokens_details=self.config.enable_prompt_tokens_details,
             )
             on_done = self._logger(request_id, "\n".join(p.text for p in prompts),
                                    sum(len(p.token_ids) for p in prompts))

@@ -10,7 +10,7 @@ MODEL. Two kinds:
   warning naming them;
 - refused (``REFUSED``): they ask for behaviour pagedserve does not have (LoRA,
   TLS, another tokenizer, quantized checkpoints): ``serve`` exits with the
-  flag and what pagedserve does instead, under ``serve``'s usage line.
+  flag and what pagedserve does instead, and a one-line hint (``cli.BriefErrors``).
 
 A flag's value that makes it harmless (``--cpu-offload-gb 0``, ``--task generate``)
 is in ``HARMLESS_VALUES``. Names are vLLM's (``vllm/engine/arg_utils.py``,
@@ -94,7 +94,7 @@ class _Ignored(argparse.Action):
 
 
 class _Refused(argparse.Action):
-    """Exits with ``serve``'s usage and what pagedserve does instead (``self.help`` is
+    """Exits with the flag and what pagedserve does instead (``self.help`` is
     suppressed, so the reason travels in ``const``)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,

@@ -197,6 +197,7 @@ def _chat_raw(content: bytes, tail: bytes = b"") -> bytes:
     return _CHAT_HEAD + content + b"}]" + tail + b"}"
 
 
+EMPTY = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
 HOSTILE = [  # (path, raw body, param, words the message must hold)
     (CHAT, b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}", "messages", "nested deeper"),
     (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", None, "nested deeper"),
@@ -222,14 +223,15 @@ HOSTILE = [  # (path, raw body, param, words the message must hold)
     (CHAT, _chat_raw(b'"hi"', b', "logit_bias": {"-5": 1}'), "logit_bias", "token id -5"),
     (CHAT, _chat_raw(b'"hi"', b', "logit_bias": {"999999": 1}'), "logit_bias",
      "token id 999999 is out of vocabulary"),
-    (CHAT, _chat_raw(b'"hi"', b', "stream": "true"'), "stream", "valid boolean"),
+    (CHAT, _chat_raw(b'"hi"', b', "stream": "maybe"'), "stream", "valid boolean"),
+    (CHAT, _chat_raw(b'"hi"', b', "stream": 5'), "stream", "valid boolean"),
     (CHAT, _chat_raw(b'"hi"', b', "max_tokens": "12"'), "max_tokens", "valid integer"),
     (CHAT, _chat_raw(b'"hi"', b', "max_tokens": true'), "max_tokens", "valid integer"),
     (CHAT, _chat_raw(b'[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]'),
      "messages", "text content parts only"),
-    (COMPLETIONS, b'{"prompt": ""}', "prompt", "a prompt must be given and non-empty"),
-    (COMPLETIONS, b'{"prompt": []}', "prompt", "a prompt must be given and non-empty"),
-    (COMPLETIONS, b'{"max_tokens": 3}', "prompt", "a prompt must be given and non-empty"),
+    (COMPLETIONS, b'{"prompt": ""}', "prompt", EMPTY),
+    (COMPLETIONS, b'{"prompt": []}', "prompt", EMPTY),
+    (COMPLETIONS, b'{"max_tokens": 3}', "prompt", EMPTY),
     (COMPLETIONS, b'{"prompt": [1, 60000]}', "prompt", "token id 60000 is out of vocabulary"),
     ("/detokenize", b'{"tokens": [-3]}', "tokens", "token id -3 is out of vocabulary"),
 ]

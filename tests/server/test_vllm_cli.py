@@ -5,17 +5,22 @@ that loads no tensor library."""
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from pagedserve.server import vllm_flags
 from pagedserve.server.cli import build_parser, package_version
 from pagedserve.server.engine_args import FLAG_CONFIGS, engine_config, flags_of
 
-SERVE_USAGE = "usage: pagedserve serve"
+SERVE_ERROR = "pagedserve serve: error: "
+HINT = "see `pagedserve serve --help` for the flags"
 
 
 def parse(*argv: str):
@@ -26,8 +31,11 @@ def usage_error(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as e:
         parse(*argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and SERVE_USAGE in err, err
-    return err.strip().splitlines()[-1]
+    # The error and a hint, no usage dump (argparse's lists every flag: 40 lines).
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 2, err
+    assert lines[0].startswith(SERVE_ERROR) and lines[1] == HINT, err
+    return lines[0]
 
 
 def test_harmless_vllm_flags_are_recorded_and_their_values_are_not_the_model():
@@ -105,7 +113,10 @@ def test_help_version_and_usage_errors_import_no_tensor_library():
     rc, out, imported = run_cli("--version")
     assert rc == 0 and imported == []
     rc, out, imported = run_cli("serve", "--enable-lora")
-    assert rc == 2 and SERVE_USAGE in out and imported == []
+    assert rc == 2 and imported == []
+    assert out.splitlines()[-2:] == [
+        f"{SERVE_ERROR}vLLM's --enable-lora is not supported by pagedserve: LoRA adapters are "
+        "not supported: serve a merged model", HINT], out
 
 
 def test_serve_names_the_ignored_flags_in_one_warning(tmp_path):
@@ -118,3 +129,56 @@ def test_serve_names_the_ignored_flags_in_one_warning(tmp_path):
     warning = [line for line in proc.stderr.splitlines() if "vllm_flags_ignored" in line]
     assert len(warning) == 1
     assert "'--trust-remote-code'" in warning[0] and "'--uvicorn-log-level debug'" in warning[0]
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_warned_only_when_given():
+    from pagedserve.server.cli import warn_cpu_ignores_gpu_memory_utilization
+
+    def events(*argv: str) -> list[dict]:
+        with structlog.testing.capture_logs() as logged:
+            warn_cpu_ignores_gpu_memory_utilization(parse(*argv))
+        return logged
+
+    # Given, even at its default value: a warning naming what works on the CPU.
+    (warning,) = events("--device", "cpu", "--gpu-memory-utilization", "0.9")
+    assert warning["event"] == "gpu_memory_utilization_ignored" and warning["value"] == 0.9
+    assert "--kv-cache-memory-bytes" in warning["hint"]
+    assert "$VLLM_CPU_KVCACHE_SPACE" in warning["hint"]
+    assert len(events("--device", "cpu", "--gpu-memory-utilization=0.5")) == 1
+    assert events("--device", "cpu") == []  # left alone: nothing to say
+    assert events("--device", "cuda", "--gpu-memory-utilization", "0.5") == []
+
+
+def test_start_up_log_names_the_speculative_config_and_the_ignored_flag(tiny_model_dir,
+                                                                        tmp_path):
+    """A real ``pagedserve serve`` start: the draft model's settings and the CPU warning are
+    in its log before it serves."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_model_dir),
+                       "num_speculative_tokens": 2})
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.server.cli", "serve", str(tiny_model_dir),
+             "--device", "cpu", "--port", str(port), "--max-model-len", "256",
+             "--gpu-memory-utilization", "0.5", "--speculative-config", spec],
+            stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "serving" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    lines = log_path.read_text().splitlines()
+    (warned,) = [ln for ln in lines if "gpu_memory_utilization_ignored" in ln]
+    assert "value=0.5" in warned and "--kv-cache-memory-bytes" in warned
+    (spec_line,) = [ln for ln in lines if "speculative_decoding" in ln]
+    assert "method=draft_model" in spec_line and "num_speculative_tokens=2" in spec_line
+    assert f"draft_model={tiny_model_dir}" in spec_line
+    serving_at = next(i for i, ln in enumerate(lines) if " serving " in ln)
+    assert lines.index(spec_line) < serving_at

@@ -12,7 +12,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from tests.conftest import _hf_model, hf_greedy, hf_tokenizer, serve
+from pagedserve.server.config import ServingConfig
+from tests.conftest import TINY_NAME, _hf_model, hf_greedy, hf_tokenizer, serve
 
 LONG = "The quick brown fox jumps over the lazy dog while " + " ".join(
     f"word{i}" for i in range(30))
@@ -21,7 +22,9 @@ LONG = "The quick brown fox jumps over the lazy dog while " + " ".join(
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def client(tiny_model_dir):
     # 16-token steps: every prompt here is prefilled in several chunks.
-    async with serve(tiny_model_dir, max_model_len=256, max_num_batched_tokens=16) as c:
+    serving = ServingConfig(TINY_NAME, enable_prompt_tokens_details=True)
+    async with serve(tiny_model_dir, max_model_len=256, max_num_batched_tokens=16,
+                     serving=serving) as c:
         yield c
 
 
@@ -240,3 +243,129 @@ async def test_response_shapes_and_chat_echo(client):
         chunks = [json.loads(ln[6:]) async for ln in resp.aiter_lines()
                   if ln.startswith("data: {")]
     assert all("usage" not in ch for ch in chunks)
+
+
+async def test_lax_booleans_any_role_and_vllms_messages(client, oai, tiny_model_dir):
+    """vLLM's tests send ``"logprobs": "true"`` and custom roles; its seed and empty-prompt
+    messages are what its tests match."""
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+        "logprobs": "true", "top_logprobs": 3, "stream": "false"})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(len(e["top_logprobs"]) == 3 for e in content)
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    # A custom role goes through the chat template as it is.
+    msgs = [{"role": "narrator", "content": "Once upon a time"},
+            {"role": "user", "content": "go on"}]
+    r = await client.post("/v1/chat/completions", json={
+        "messages": msgs, "max_tokens": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    tok = hf_tokenizer(str(tiny_model_dir))
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "narrator\nOnce upon a time" in text
+    assert r.json()["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+    for seed, words in [(2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")]:
+        with pytest.raises(openai.BadRequestError, match=words) as e:
+            await oai.completions.create(model="tiny-llama", prompt="hi", max_tokens=1,
+                                         seed=seed)
+        assert e.value.body["param"] == "seed"
+    ok = await oai.completions.create(model="tiny-llama", prompt="hi", max_tokens=1,
+                                      seed=2**63 - 1)
+    assert ok.choices[0].finish_reason == "length"
+    for prompt in ("", []):
+        with pytest.raises(openai.BadRequestError, match="Either prompt or prompt_embeds must "
+                                                         "be provided and non-empty.") as e:
+            await oai.completions.create(model="tiny-llama", prompt=prompt, max_tokens=1)
+        assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
+
+
+async def test_whole_answers_carry_vllms_null_keys(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    nulls = {"service_tier": None, "system_fingerprint": None}
+    for path in ("/v1/chat/completions", "/invocations"):
+        body = (await client.post(path, json={"messages": msgs, "max_tokens": 2})).json()
+        assert {k: body[k] for k in nulls} == nulls, path
+        message = body["choices"][0]["message"]
+        assert {k: v for k, v in message.items() if k != "content"} == {
+            "role": "assistant", "refusal": None, "annotations": None, "audio": None,
+            "function_call": None, "tool_calls": []}, path
+        assert isinstance(message["content"], str)
+    for path in ("/v1/completions", "/invocations"):
+        body = (await client.post(path, json={"prompt": "hi", "max_tokens": 2})).json()
+        assert body["object"] == "text_completion"
+        assert {k: body[k] for k in nulls} == nulls, path
+    # A stream's chunks have none of them (vLLM leaves unset keys out of chunks).
+    async with client.stream("POST", "/v1/chat/completions", json={
+            "messages": msgs, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}) as resp:
+        chunks = [json.loads(ln[6:]) async for ln in resp.aiter_lines()
+                  if ln.startswith("data: {")]
+    assert not any("system_fingerprint" in ch for ch in chunks)
+    # --enable-prompt-tokens-details is on here: the stream's usage has them too (the same
+    # 31-token prompt ran above, so its first whole block is cached).
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+async def test_prompt_tokens_details_only_with_the_flag(tiny_model_dir):
+    msgs = [{"role": "user", "content": LONG}]
+    async with serve(tiny_model_dir, max_model_len=256) as plain:
+        for _ in range(2):  # the second would hit the cache: still no details
+            body = (await plain.post("/v1/chat/completions", json={
+                "messages": msgs, "max_tokens": 1})).json()
+            assert body["usage"]["prompt_tokens_details"] is None
+        async with plain.stream("POST", "/v1/chat/completions", json={
+                "messages": msgs, "max_tokens": 1, "stream": True,
+                "stream_options": {"include_usage": True}}) as resp:
+            chunks = [json.loads(ln[6:]) async for ln in resp.aiter_lines()
+                      if ln.startswith("data: {")]
+        assert "prompt_tokens_details" not in chunks[-1]["usage"]
+        assert chunks[-1]["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"]
+
+
+async def test_max_logprobs_and_the_whole_vocabulary(client, tiny_model_dir):
+    """vLLM's ``--max-logprobs``: 20 by default (above it, and -1 = the 49152-token vocabulary,
+    are 400s in vLLM's words); ``-1`` lifts the cap, and -1 then gives every token."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body, param, asked in [
+            ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21},
+             "top_logprobs", 21),
+            ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": -1},
+             "top_logprobs", 49152),
+            ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", 21),
+            ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "logprobs", 49152)]:
+        r = await client.post(path, json={**body, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {
+            "message": f"Requested sample logprobs of {asked}, which is greater than max "
+                       "allowed: 20", "type": "BadRequestError", "param": param, "code": 400}
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": -2},
+             "top_logprobs"),
+            ("/v1/completions", {"prompt": "hi", "logprobs": -2}, "logprobs")]:
+        r = await client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "positive value or -1" in r.json()["error"]["message"]
+    ok = await client.post("/v1/chat/completions", json={
+        "messages": msgs, "max_tokens": 1, "logprobs": True, "top_logprobs": 20})
+    assert len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    ids = hf_tokenizer(str(tiny_model_dir)).encode("Once upon a")
+    serving = ServingConfig(TINY_NAME, max_logprobs=-1)
+    async with serve(tiny_model_dir, max_model_len=256, serving=serving) as uncapped:
+        r = await uncapped.post("/v1/chat/completions", json={
+            "messages": msgs, "max_tokens": 1, "temperature": 0, "logprobs": True,
+            "top_logprobs": -1})
+        assert r.status_code == 200, r.text
+        entry = r.json()["choices"][0]["logprobs"]["content"][0]
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == 49152 and tops == sorted(tops, reverse=True)
+        assert tops[0] == entry["logprob"]  # greedy: the chosen token is the top one
+        r = await uncapped.post("/v1/completions", json={
+            "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1})
+        got = r.json()["choices"][0]["prompt_logprobs"]
+        assert got[0] is None and [len(e) for e in got[1:]] == [49152] * (len(ids) - 1)
+        want = hf_prompt_logprobs(tiny_model_dir, ids)
+        assert got[1][str(ids[1])]["logprob"] == pytest.approx(float(want[0][ids[1]]),
+                                                                abs=1e-4)
