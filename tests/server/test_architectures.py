@@ -245,3 +245,19 @@ def test_partial_rotary_and_unread_gguf_architectures_are_refused(tmp_path):
          "partial_rotary_factor": 0.75}))
     with pytest.raises(loader.ModelLoadError, match="partial_rotary_factor 0.75"):
         loader.load_config(tmp_path)
+    # A phi3 GGUF (fused attn_qkv, llama.cpp's names) is refused before any tensor is read.
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from pagedserve.gpu import gguf_load
+
+    path = tmp_path / "phi3.gguf"
+    w = GGUFWriter(str(path), "phi3")
+    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(loader.ModelLoadError, match="GGUF architecture 'phi3' is not read yet"):
+        gguf_load.load_gguf_model(path, Phi3Config(), None, 64, None, torch.device("cpu"),
+                                  torch.float32, None)
