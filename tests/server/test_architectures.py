@@ -184,11 +184,26 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
             assert body["choices"][0]["token_ids"] == want, (family, prompt)
 
 
+async def test_qwen3_gguf_head_dim_comes_from_the_tensors(tmp_path, default_model_dir):
+    """transformers' GGUF config gives Qwen3 its default ``head_dim`` (128) whatever the file
+    has; ours reads it off ``attn_q``'s rows. float32 tensors: transformers on the original
+    weights is the oracle."""
+    from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
+
+    src = _random_qwen3(tmp_path / "hf", head_dim=32)
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-qwen3-32.gguf",
+                           loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
+    assert loader.load_config(loader.gguf_metadata_dir(gguf)).head_dim == 32
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
+        body = await chat(client, PROMPTS[1], max_tokens=12)
+    ids = chat_prompt_ids(default_model_dir, PROMPTS[1])
+    assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 12)
+
+
 async def test_qwen3_gguf_kept_quantized_matches_transformers(tmp_path, default_model_dir):
     """llama.cpp's ``qwen3`` architecture (q/k norms as ``attn_q_norm``/``attn_k_norm``, rows
     not interleaved), its Q8_0/Q4_0/Q4_1 blocks read in place, against transformers' own
-    reading of the file. ``head_dim`` 128: transformers' GGUF mapping takes Qwen3's default
-    rather than the file's ``attention.key_length``."""
+    reading of the file (``head_dim`` 128, which transformers assumes for Qwen3)."""
     from tests.gguf_tiny import write_tiny_gguf
 
     src = _random_qwen3(tmp_path / "hf", head_dim=128)
