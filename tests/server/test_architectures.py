@@ -18,6 +18,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagedserve.actors.spec_decode import SpeculativeConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
@@ -105,6 +106,18 @@ async def test_qwen3_greedy_matches_transformers(qwen3_dir):
     assert after > before
     assert again["choices"][0]["token_ids"] == hf_greedy(
         qwen3_dir, chat_prompt_ids(qwen3_dir, PROMPTS[1]), 16)
+
+
+async def test_qwen3_speculative_decoding_keeps_greedy_output(qwen3_dir):
+    """n-gram drafts verified by Qwen3 (several tokens a step through the q/k norms)."""
+    prompt = "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4"
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    async with serve(qwen3_dir, speculative=spec) as client:
+        body = await chat(client, prompt, max_tokens=24)
+        s = (await stats(client))["scheduler"]
+    assert body["choices"][0]["token_ids"] == hf_greedy(
+        qwen3_dir, chat_prompt_ids(qwen3_dir, prompt), 24)
+    assert s["spec_decode_num_draft_tokens"] > 0
 
 
 async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
