@@ -207,11 +207,23 @@ def dequantized(t, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype, copy=True)
 
 
-def rope_freq_factors(path: Path) -> list[float] | None:
-    """The file's ``rope_freqs.weight`` (``[head_dim / 2]`` float32), or None: llama.cpp's
-    converter stores Llama 3.x's ``llama3`` RoPE scaling as these per-frequency divisors of the
-    inverse frequencies (its ``rope_factors``), and no metadata key says so, so transformers'
-    GGUF config loses it."""
+def config_from_tensors(path: Path, config: PretrainedConfig) -> dict:
+    """What transformers' GGUF config misses and the file's tensors say, as config fields:
+
+    - ``rope_freq_factors`` (``[head_dim / 2]`` floats): ``rope_freqs.weight``, llama.cpp's
+      converter's form of Llama 3.x's ``llama3`` RoPE scaling (per-frequency divisors of the
+      inverse frequencies; no metadata key says so);
+    - ``head_dim``: from ``attn_q``'s rows when they are not ``hidden / heads`` heads (Qwen3's
+      128 at sizes where that differs; transformers maps no ``attention.key_length``).
+    """
     f = open_gguf(path)
+    fields = {}
     t = f.tensors.get("rope_freqs.weight")
-    return None if t is None else dequantized(t, torch.float32).tolist()
+    if t is not None:
+        fields["rope_freq_factors"] = dequantized(t, torch.float32).tolist()
+    q, heads = f.tensors.get("blk.0.attn_q.weight"), getattr(config, "num_attention_heads", 0)
+    if q is not None and heads and out_features(q) % heads == 0:
+        head_dim = out_features(q) // heads
+        if head_dim != (getattr(config, "head_dim", None) or config.hidden_size // heads):
+            fields["head_dim"] = head_dim
+    return fields

@@ -76,7 +76,7 @@ def _sha256(path: Path) -> str:
 
 
 # Bump when what gguf_metadata_dir writes changes.
-_METADATA_VERSION = "v2"  # v2: rope_freq_factors
+_METADATA_VERSION = "v2"  # v2: rope_freq_factors, head_dim from the tensors
 
 
 def _file_key(gguf: Path) -> str:
@@ -107,9 +107,8 @@ def gguf_metadata_dir(gguf: Path) -> Path:
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    factors = gguf_file.rope_freq_factors(gguf)
-    if factors is not None:  # read by gpu/models/llama.rope_inv_freq
-        config.rope_freq_factors = factors
+    for key, value in gguf_file.config_from_tensors(gguf, config).items():
+        setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
@@ -172,9 +171,8 @@ def _save_converted(model, tokenizer, tmp: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    factors = gguf_file.rope_freq_factors(gguf)
-    if factors is not None:  # read by gpu/models/llama.rope_inv_freq
-        config.rope_freq_factors = factors
+    for key, value in gguf_file.config_from_tensors(gguf, config).items():
+        setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)

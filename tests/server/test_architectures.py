@@ -18,6 +18,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagedserve.actors.spec_decode import SpeculativeConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
@@ -107,6 +108,18 @@ async def test_qwen3_greedy_matches_transformers(qwen3_dir):
         qwen3_dir, chat_prompt_ids(qwen3_dir, PROMPTS[1]), 16)
 
 
+async def test_qwen3_speculative_decoding_keeps_greedy_output(qwen3_dir):
+    """n-gram drafts verified by Qwen3 (several tokens a step through the q/k norms)."""
+    prompt = "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4"
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    async with serve(qwen3_dir, speculative=spec) as client:
+        body = await chat(client, prompt, max_tokens=24)
+        s = (await stats(client))["scheduler"]
+    assert body["choices"][0]["token_ids"] == hf_greedy(
+        qwen3_dir, chat_prompt_ids(qwen3_dir, prompt), 24)
+    assert s["spec_decode_num_draft_tokens"] > 0
+
+
 async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
     """tp=2 x pp=2: each rank norms its own q/k heads with the whole norm weights."""
     async with serve(qwen3_dir, parallel=ParallelConfig(2, 2), async_scheduling=True,
@@ -184,11 +197,26 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
             assert body["choices"][0]["token_ids"] == want, (family, prompt)
 
 
+async def test_qwen3_gguf_head_dim_comes_from_the_tensors(tmp_path, default_model_dir):
+    """transformers' GGUF config gives Qwen3 its default ``head_dim`` (128) whatever the file
+    has; ours reads it off ``attn_q``'s rows. float32 tensors: transformers on the original
+    weights is the oracle."""
+    from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
+
+    src = _random_qwen3(tmp_path / "hf", head_dim=32)
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-qwen3-32.gguf",
+                           loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
+    assert loader.load_config(loader.gguf_metadata_dir(gguf)).head_dim == 32
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
+        body = await chat(client, PROMPTS[1], max_tokens=12)
+    ids = chat_prompt_ids(default_model_dir, PROMPTS[1])
+    assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 12)
+
+
 async def test_qwen3_gguf_kept_quantized_matches_transformers(tmp_path, default_model_dir):
     """llama.cpp's ``qwen3`` architecture (q/k norms as ``attn_q_norm``/``attn_k_norm``, rows
     not interleaved), its Q8_0/Q4_0/Q4_1 blocks read in place, against transformers' own
-    reading of the file. ``head_dim`` 128: transformers' GGUF mapping takes Qwen3's default
-    rather than the file's ``attention.key_length``."""
+    reading of the file (``head_dim`` 128, which transformers assumes for Qwen3)."""
     from tests.gguf_tiny import write_tiny_gguf
 
     src = _random_qwen3(tmp_path / "hf", head_dim=128)
@@ -245,3 +273,19 @@ def test_partial_rotary_and_unread_gguf_architectures_are_refused(tmp_path):
          "partial_rotary_factor": 0.75}))
     with pytest.raises(loader.ModelLoadError, match="partial_rotary_factor 0.75"):
         loader.load_config(tmp_path)
+    # A phi3 GGUF (fused attn_qkv, llama.cpp's names) is refused before any tensor is read.
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from pagedserve.gpu import gguf_load
+
+    path = tmp_path / "phi3.gguf"
+    w = GGUFWriter(str(path), "phi3")
+    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(loader.ModelLoadError, match="GGUF architecture 'phi3' is not read yet"):
+        gguf_load.load_gguf_model(path, Phi3Config(), None, 64, None, torch.device("cpu"),
+                                  torch.float32, None)
