@@ -65,7 +65,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         Route("/version", version_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key,
+        *admin_routes(engine, config.model_name, config.admin_key, config.api_key,
                       config.metrics_prefix),
         *vllm_routes(serving.chat, serving.completion, load),
     ]
@@ -90,20 +90,22 @@ def health_response(engine: AsyncEngine) -> Response:
 
 
 def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
-    """``/v1/models`` and ``/v1/models/{model}``: the one served model's card."""
+    """``/v1/models`` and ``/v1/models/{model}``: a card per served name (vLLM lists each of
+    ``--served-model-name``'s names; the first is the one answers report)."""
     created = int(time.time())
 
-    def card() -> dict:
-        return {"id": serving.config.served_model_name, "object": "model", "created": created,
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created,
                 "owned_by": "pagedserve", "root": engine.info.path,
                 "max_model_len": engine.info.max_model_len}
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card()]})
+        return JSONResponse({"object": "list",
+                             "data": [card(n) for n in serving.config.served_model_name]})
 
     async def model(request: Request) -> JSONResponse:
         serving.check_model(request.path_params["model"])
-        return JSONResponse(card())
+        return JSONResponse(card(request.path_params["model"]))
 
     return [Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"])]
