@@ -66,13 +66,21 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         Route("/health", health, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         *admin_routes(engine, config.model_name, config.admin_key, config.api_key,
-                      config.metrics_prefix),
+                      config.metrics_prefix, serving_json(serving)),
         *vllm_routes(serving.chat, serving.completion, load),
     ]
     routes += doc_routes(routes, _version())
     app = Starlette(routes=routes, exception_handlers=_exception_handlers())
     return RequestGuard(app, config.api_key, max_request_body_bytes, access_log=access_log,
                         load=load, body_read_timeout_s=body_read_timeout_s)
+
+
+def serving_json(serving: Serving) -> dict:
+    """What ``/admin/stats`` shows of the HTTP layer's settings (the dashboard's panel)."""
+    auto = serving.auto_tools
+    return {"served_model_names": list(serving.config.served_model_name),
+            "tool_call_parser": auto.parser, "tool_call_parser_source": auto.source,
+            "auto_tool_choice": auto.enabled}
 
 
 def health_response(engine: AsyncEngine) -> Response:
