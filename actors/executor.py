@@ -19,7 +19,7 @@ from pagedserve.actors.messages import ExecuteModel
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
-from pagedserve.gpu.parallel.gguf_shard import check_gguf_split
+from pagedserve.gpu.parallel.gguf_shard import gguf_split_problem
 from pagedserve.gpu.parallel.layout import check_layout
 
 
@@ -82,7 +82,7 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
     Raises:
         ValueError: the layout cannot split the model (one line: which count, and why), a
             draft model is asked for with several ranks, ``--quantization gguf`` would cut a
-            GGUF block across ranks (``check_gguf_split``), or Ray is asked for and not installed.
+            GGUF block across ranks (``gguf_split_problem``), or Ray is asked for and not installed.
     """
     if parallel.world_size == 1:
         return Executor(ModelRunner(model, cache, max_num_batched_tokens, max_num_seqs, draft))
@@ -91,9 +91,9 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
                          "method ngram with --tensor-parallel-size/--pipeline-parallel-size")
     config = await asyncio.to_thread(
         lambda: loader.load_config(loader.resolve_model(model.model).path))
-    check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-    if model.quantization == "gguf":  # the workers would refuse it too, one line each
-        check_gguf_split(config, parallel.tensor_parallel_size)
+    # With --quantization gguf the workers would refuse a block-cutting split too, one line each.
+    check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                 gguf_split_problem if model.quantization == "gguf" else None)
     if parallel.distributed_executor_backend == "ray":
         from pagedserve.actors.ray_executor import RayExecutor
 

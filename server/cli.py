@@ -36,7 +36,7 @@ import structlog
 from pagedserve.actors.dp_config import DataParallelConfig
 from pagedserve.gpu.config import CPU_KV_CACHE_ENV, EMBEDDED_SERVED_NAME
 from pagedserve.server import vllm_flags
-from pagedserve.server.config import ServerConfig, ServingConfig
+from pagedserve.server.config import ServerConfig, ServingConfig, default_served_names
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
 from pagedserve.server.generation_config import GenerationDefaults, load_generation_defaults
 from pagedserve.server.proxy import add_proxy_parser, proxy_main
@@ -198,7 +198,7 @@ async def serve(args: argparse.Namespace) -> None:
     generation_defaults = _generation_defaults(engine_config(args).model.model, args)
     engine = await start_engine(engine_config(args), dp, args.log_level)
     # The served name's one home is ServingConfig; the model's own name is only its default.
-    served = args.served_model_name or engine.info.served_name
+    served = args.served_model_name or default_served_names(engine.info.served_name)
     serving = from_args(ServingConfig, args, served_model_name=served,
                         chat_template=_read_template(args.chat_template),
                         generation_defaults=generation_defaults)

@@ -15,16 +15,31 @@ from pagedserve.server.generation_config import GenerationDefaults, parse_overri
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# The embedded model's name without the org: the OpenAI Agents SDK reads ``a/b`` as
+# ``provider/model`` ("UserError: Unknown prefix"), so a slash-free name must be served too.
+EMBEDDED_ALIAS = EMBEDDED_SERVED_NAME.rsplit("/", 1)[-1]
+
+
+def default_served_names(model_name: str) -> tuple[str, ...]:
+    """The names served when ``--served-model-name`` is not given: the model's own name, and
+    for the embedded model also its slash-free alias."""
+    if model_name == EMBEDDED_SERVED_NAME:
+        return (model_name, EMBEDDED_ALIAS)
+    return (model_name,)
 
 
 @dataclass(slots=True)
 class ServingConfig:
-    """What the OpenAI routes serve and who may call them. ``served_model_name`` is the name
-    clients send as ``model``; the CLI resolves its default once the model is loaded."""
+    """What the OpenAI routes serve and who may call them. ``served_model_name``: the names
+    clients may send as ``model`` (vLLM's ``nargs='+'``), the first one reported in answers;
+    the CLI resolves its default once the model is loaded (``default_served_names``). A single
+    string is one name."""
 
-    served_model_name: str = field(metadata={
-        "help": "name clients send as `model`",
-        "default_text": f"{EMBEDDED_SERVED_NAME} for the embedded model, else the model as given",
+    served_model_name: tuple[str, ...] = field(metadata={
+        "help": "names clients may send as `model` (several allowed; answers report the first)",
+        "nargs": "+",
+        "default_text": f"{EMBEDDED_SERVED_NAME} and {EMBEDDED_ALIAS} for the embedded model, "
+                        "else the model as given",
     })
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template (file path or inline) overriding the tokenizer's",
@@ -95,6 +110,18 @@ class ServingConfig:
         "help": "responses of /v1/responses kept in memory for previous_response_id (least "
                 "recently used dropped first; 0 = none)",
     })
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = (self.served_model_name,)
+        self.served_model_name = tuple(self.served_model_name)
+        if not self.served_model_name:
+            raise ValueError("--served-model-name needs at least one name")
+
+    @property
+    def model_name(self) -> str:
+        """The name answers report as ``model`` (and metrics label): the first served one."""
+        return self.served_model_name[0]
 
 
 @dataclass(slots=True)

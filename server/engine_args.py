@@ -13,6 +13,8 @@ not be turned off). Other metadata keys:
     more option strings (``("-q",)``).
 ``choices``
     the values accepted.
+``nargs``
+    argparse's ``nargs`` (``"+"``: one or more values, a list).
 ``parse``
     ``str -> value``; a ``ValueError`` it raises is the usage error's message.
 ``human_int``
@@ -124,6 +126,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["type"] = flag.type
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+        if "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
         action = group.add_argument(flag.option, *meta.get("aliases", ()), **kwargs)
         # Set after: BooleanOptionalAction would append a "(default: True)" of its own.
         action.help = f"{meta['help']} (default: {flag.shown_default()})".replace("%", "%%")

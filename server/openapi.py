@@ -24,14 +24,40 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedserve.server.responses_protocol import ResponsesRequest
 
 # The body each POST route validates (``/invocations`` takes either generation body).
 REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/chat/completions": (ChatCompletionRequest,),
     "/v1/completions": (CompletionRequest,),
+    "/v1/responses": (ResponsesRequest,),
     "/invocations": (ChatCompletionRequest, CompletionRequest),
     "/tokenize": (TokenizeRequest,),
     "/detokenize": (DetokenizeRequest,),
+}
+# What each route does, for /docs' "what" column and the spec's summaries (a handler's
+# docstring is for whoever reads the code; this is for whoever calls the route).
+SUMMARIES: dict[str, str] = {
+    "/v1/chat/completions": "Chat completion (OpenAI): messages in, a message or an SSE stream "
+                            "out; tools, structured output, logprobs, n, beam search.",
+    "/v1/completions": "Text completion (OpenAI): a prompt (text, token ids, or a list) in.",
+    "/v1/responses": "Responses API (OpenAI): input items and instructions in, output items "
+                     "out; previous_response_id continues a stored response.",
+    "/v1/responses/{response_id}": "A stored response by its id.",
+    "/v1/models": "The served model names (--served-model-name), one card each.",
+    "/v1/models/{model}": "One served name's card; 404 for a name not served.",
+    "/tokenize": "Token ids of a prompt or of chat messages (rendered as the chat route "
+                 "renders them).",
+    "/detokenize": "Text of token ids.",
+    "/version": "The server's version.",
+    "/health": "200 while the engine serves, else 503 (shutting down, or failed).",
+    "/reset_prefix_cache": "Drop the prefix cache's unused blocks.",
+    "/": "The chat page.",
+    "/admin": "The dashboard: queues, KV cache, throughput, requests, settings.",
+    "/admin/stats": "The engine's stats snapshot as JSON (the dashboard's data).",
+    "/admin/events": "Stats snapshots as an SSE stream.",
+    "/metrics": "Prometheus metrics (--metrics-prefix vllm: vLLM's names).",
+    "/favicon.ico": "The pages' icon.",
 }
 _REF = "#/components/schemas/{model}"
 _ERROR = {
@@ -55,16 +81,16 @@ def openapi_spec(routes: Iterable[BaseRoute], title: str, version: str) -> dict:
         path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)  # {model:path} -> {model}
         for method in sorted((route.methods or set()) - {"HEAD"}):
             paths.setdefault(path, {})[method.lower()] = _operation(
-                route, method, [refs[(m, "validation")] for m in REQUEST_BODIES.get(
+                route, path, method, [refs[(m, "validation")] for m in REQUEST_BODIES.get(
                     route.path, ()) if method == "POST"])
     return {"openapi": "3.1.0", "info": {"title": title, "version": version},
             "paths": paths, "components": {"schemas": components}}
 
 
-def _operation(route: Route, method: str, bodies: list[dict]) -> dict:
+def _operation(route: Route, path: str, method: str, bodies: list[dict]) -> dict:
     doc = (route.endpoint.__doc__ or "").strip().split("\n")[0]
     op: dict = {"operationId": f"{method.lower()}_{route.name}",
-                "summary": doc or route.path,
+                "summary": SUMMARIES.get(path) or doc or method.upper(),
                 "responses": {"200": {"description": "OK"},
                               "4XX": {"description": "OpenAI error object", "content": {
                                   "application/json": {"schema": {
@@ -90,7 +116,7 @@ def docs_page(spec: dict) -> str:
                     if s]
             names = ", ".join(f'<a href="#{html.escape(r.rsplit("/", 1)[1])}">'
                               f'{html.escape(r.rsplit("/", 1)[1])}</a>' for r in refs)
-            rows.append(f"<tr><td><code>{method.upper()}</code></td>"
+            rows.append(f'<tr><td><code class="method">{method.upper()}</code></td>'
                         f"<td><code>{html.escape(path)}</code></td>"
                         f"<td>{html.escape(op['summary'])}</td><td>{names}</td></tr>")
     schemas = "".join(
@@ -98,9 +124,14 @@ def docs_page(spec: dict) -> str:
         f"<pre>{html.escape(json.dumps(s, indent=2, ensure_ascii=False))}</pre>"
         for name, s in spec["components"]["schemas"].items())
     title = html.escape(f"{spec['info']['title']} {spec['info']['version']}")
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title} API</title>"
-            "</head><body>"
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{title} API</title>"
+            '<link rel="stylesheet" href="/static/style.css">'
+            '<link rel="icon" href="/static/favicon.svg" type="image/svg+xml"></head>'
+            '<body class="docs"><header class="topbar"><span class="brand">pagedserve</span>'
+            '<span class="muted">API</span><nav><a href="/">chat</a> · '
+            '<a href="/admin">dashboard</a></nav></header><main>'
             f"<h1>{title} API</h1><p>Machine-readable: <a href=\"/openapi.json\">"
-            "/openapi.json</a> (OpenAPI 3.1).</p><table border=\"1\" cellpadding=\"4\">"
+            "/openapi.json</a> (OpenAPI 3.1).</p><table class=\"routes\">"
             "<tr><th>method</th><th>path</th><th>what</th><th>request body</th></tr>"
-            f"{''.join(rows)}</table><h2>Schemas</h2>{schemas}</body></html>")
+            f"{''.join(rows)}</table><h2>Schemas</h2>{schemas}</main></body></html>")

@@ -144,7 +144,7 @@ class ResponsesServing:
         streams = await self.serving._start(engine_id, [(ids, params)], sampling, grammar)
         shape = ResponseShape(
             response_id=response_id, message_id=f"msg_{uuid.uuid4().hex}",
-            created_at=int(time.time()), model=self.serving.config.served_model_name,
+            created_at=int(time.time()), model=self.serving.config.model_name,
             body=body, num_input_tokens=len(ids), parser=tools.parser if tools else None)
         log_done = self.serving._logger(engine_id, prompt, len(ids))
         return _Turn(shape, engine_id, conversation, streams[0], log_done)

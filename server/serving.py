@@ -88,11 +88,10 @@ class Serving:
     # -- shared validation -------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise OpenAIError(
-                f"The model `{model}` does not exist. Served: `{self.config.served_model_name}`.",
-                status=404, param="model",
-            )
+        if model is not None and model not in self.config.served_model_name:
+            served = ", ".join(f"`{name}`" for name in self.config.served_model_name)
+            raise OpenAIError(f"The model `{model}` does not exist. Served: {served}.",
+                              status=404, param="model")
 
     def _sampling_params(
         self, body: _SamplingBody, prompt_len: int, max_tokens: int | None, prompt_param: str,
@@ -266,7 +265,7 @@ class Serving:
                 return JSONResponse(error_body("client disconnected", 499), status_code=499)
             builder = ResponseBuilder(
                 request_id=request_id, created=int(time.time()),
-                model=self.config.served_model_name, chat=chat,
+                model=self.config.model_name, chat=chat,
                 fmt=LogprobsFormatter(self.tokenizer, body.return_tokens_as_token_ids),
                 prompts=prompts, n=body.n, return_token_ids=body.return_token_ids,
                 echo=not chat and body.echo, chat_echo=echo,

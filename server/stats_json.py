@@ -22,11 +22,14 @@ from pagedserve.actors.stats import (
 )
 
 
-def stats_json(stats: EngineStats, model_name: str) -> dict[str, Any]:
-    """The whole snapshot; ``model_name`` is what clients send as ``model``. A data-parallel
+def stats_json(stats: EngineStats, model_name: str,
+               serving: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole snapshot; ``model_name`` is what answers report as ``model``; ``serving``:
+    the HTTP layer's settings (served names, tool-call parser), as given. A data-parallel
     group's (``DataParallelStats``) has the totals at the top, as one engine's, and adds
     ``data_parallel`` (size, routing policy) and ``engines``, one entry per engine."""
     out = _engine_json(stats, model_name)
+    out["serving"] = serving or {}
     if isinstance(stats, DataParallelStats):
         out["data_parallel"] = {"size": len(stats.engines), "routing": stats.policy}
         out["engines"] = [engine_part_json(s, r)

@@ -22,6 +22,7 @@ from tests.conftest import chat_prompt_ids, hf_greedy, hf_tokenizer
 from tests.server.test_beam_search import hf_beams
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ALIAS = "SmolLM2-135M-Instruct"
 PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
 
 
@@ -107,10 +108,27 @@ def test_openai_streaming_equals_non_streaming(client):
 
 
 def test_openai_completions_and_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
-    r = client.completions.create(model=MODEL, prompt="The capital of France is",
-                                  max_tokens=5, temperature=0)
-    assert r.choices[0].text.strip().startswith("Paris")
+    """The embedded model is served by its hub id and by the slash-free alias too."""
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    for name in (MODEL, ALIAS):
+        r = client.completions.create(model=name, prompt="The capital of France is",
+                                      max_tokens=5, temperature=0)
+        assert r.choices[0].text.strip().startswith("Paris") and r.model == MODEL
+
+
+def test_agents_sdk_runs_by_the_slash_free_alias(server):
+    """The OpenAI Agents SDK reads ``a/b`` as provider/model: the hub id is refused before any
+    request, the alias runs a turn (the README's snippet)."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=f"{server}/v1",
+                                                        api_key="unused"))
+    settings = agents.ModelSettings(max_tokens=32, temperature=0)
+    with pytest.raises(agents.exceptions.UserError, match="Unknown prefix"):
+        agents.Runner.run_sync(agents.Agent(name="a", model=MODEL, model_settings=settings), "Hi")
+    agent = agents.Agent(name="assistant", model=ALIAS, model_settings=settings)
+    result = agents.Runner.run_sync(agent, "What is the capital of France?")
+    assert "Paris" in result.final_output
 
 
 def test_openai_client_sees_errors(client):

@@ -24,26 +24,32 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu.parallel.layout import RankLayout, _heads
+from pagedserve.gpu.parallel.layout import RankLayout, _heads, check_layout
 from pagedserve.kernels.gguf_ops import GGUF_BLOCK_BYTES, GGUF_BLOCK_SIZE, GGUF_BLOCK_WEIGHTS
 
 
-def check_gguf_split(config: PretrainedConfig, tp: int) -> None:
-    """Refuse, in one line, a tensor-parallel size whose row-parallel input ranges do not fall
-    on GGUF block boundaries (``check_layout`` first: ``tp`` divides heads and MLP).
-
-    Raises:
-        ValueError: ``o_proj``'s (heads/tp × head_size) or ``down_proj``'s (intermediate/tp)
-            per-rank input is not a multiple of the 32-element block.
-    """
+def gguf_split_problem(config: PretrainedConfig, tp: int) -> str | None:
+    """Why ``tp`` ranks would cut a GGUF block of a row-parallel layer (one clause), or
+    ``None``: ``o_proj``'s (heads/tp × head_size) or ``down_proj``'s (intermediate/tp)
+    per-rank input must be a multiple of the 32-element block."""
     heads, _, head_size = _heads(config)
     for layer, size in (("o_proj", heads // tp * head_size),
                         ("down_proj", config.intermediate_size // tp)):
         if size % GGUF_BLOCK_SIZE:
-            raise ValueError(
-                f"--quantization gguf with --tensor-parallel-size {tp}: {layer}'s input per "
-                f"rank is {size} elements, not a multiple of the GGUF block size "
-                f"{GGUF_BLOCK_SIZE}; use a smaller --tensor-parallel-size or --quantization none")
+            return (f"cuts GGUF blocks under --quantization gguf: {layer}'s input per rank "
+                    f"is {size} elements, not a multiple of the GGUF block size "
+                    f"{GGUF_BLOCK_SIZE} (--quantization none splits it)")
+    return None
+
+
+def check_gguf_split(config: PretrainedConfig, tp: int) -> None:
+    """Refuse, in one line naming the sizes that work, a tensor-parallel size whose
+    row-parallel input ranges do not fall on GGUF block boundaries.
+
+    Raises:
+        ValueError: ``check_layout`` refuses ``tp`` with the GGUF rule.
+    """
+    check_layout(config, tp, 1, gguf_split_problem)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ Pipeline parallelism gives each stage a contiguous range of layers, as even as p
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -28,29 +29,51 @@ def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
     return heads, kv_heads, head_size
 
 
-def check_layout(config: PretrainedConfig, tp: int, pp: int) -> None:
-    """Refuse, in one line, a layout that cannot split this model.
+def tp_problem(config: PretrainedConfig, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot split this model's heads and MLP (one clause), or ``None``."""
+    heads, kv_heads, _ = _heads(config)
+    if heads % tp:
+        return f"does not divide the model's {heads} attention heads"
+    if (tp <= kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads):
+        return f"can neither split nor replicate the model's {kv_heads} KV heads evenly"
+    if config.intermediate_size % tp:
+        return f"does not divide the MLP's intermediate size {config.intermediate_size}"
+    return None
+
+
+TpCheck = Callable[[PretrainedConfig, int], "str | None"]
+
+
+def working_tp_sizes(config: PretrainedConfig, extra: TpCheck | None = None) -> list[int]:
+    """Every tensor-parallel size this model splits into (at most its head count, the most
+    ranks that each hold a head), also passing ``extra`` (the GGUF block rule) when given."""
+    heads, _, _ = _heads(config)
+    return [tp for tp in range(1, heads + 1)
+            if tp_problem(config, tp) is None and (extra is None or extra(config, tp) is None)]
+
+
+def check_layout(config: PretrainedConfig, tp: int, pp: int,
+                 extra: TpCheck | None = None) -> None:
+    """Refuse, in one line naming the sizes that work, a layout that cannot split this model;
+    ``extra``: a further rule of the weights' format (``gguf_shard.gguf_split_problem``).
 
     Raises:
         ValueError: ``tp`` does not divide the heads (or the MLP), the KV heads cannot be
-            split or replicated evenly, or there are more stages than layers.
+            split or replicated evenly, ``extra`` refuses it, or there are more stages than
+            layers.
     """
-    heads, kv_heads, _ = _heads(config)
     if tp < 1 or pp < 1:
         raise ValueError(f"--tensor-parallel-size {tp} and --pipeline-parallel-size {pp} must "
                          "be at least 1")
-    if heads % tp:
-        raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {heads} "
-                         "attention heads")
-    if (tp <= kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads):
-        raise ValueError(f"--tensor-parallel-size {tp} can neither split nor replicate the "
-                         f"model's {kv_heads} KV heads evenly")
-    if config.intermediate_size % tp:
-        raise ValueError(f"--tensor-parallel-size {tp} does not divide the MLP's "
-                         f"intermediate size {config.intermediate_size}")
+    problem = tp_problem(config, tp) or (extra and extra(config, tp))
+    if problem:
+        sizes = ", ".join(map(str, working_tp_sizes(config, extra)))
+        raise ValueError(f"--tensor-parallel-size {tp} {problem}; sizes that work for this "
+                         f"model: {sizes}")
     if pp > config.num_hidden_layers:
         raise ValueError(f"--pipeline-parallel-size {pp} is more than the model's "
-                         f"{config.num_hidden_layers} layers")
+                         f"{config.num_hidden_layers} layers (1 to {config.num_hidden_layers} "
+                         "work)")
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,7 +12,7 @@ const charts = {
   queues: new TimeChart($("chart-queues"), [{ name: "running" }, { name: "waiting" }],
     { windowS: WINDOW_S }),
   kv: new TimeChart($("chart-kv"), [{ name: "used", color: "#16a34a" }],
-    { windowS: WINDOW_S, unit: "%", fixedMax: 100 }),
+    { windowS: WINDOW_S, unit: "%", minMax: 1, capMax: 100 }),
   tps: new TimeChart($("chart-tps"), [{ name: "prompt" }, { name: "generation" }],
     { windowS: WINDOW_S }),
   step: new TimeChart($("chart-step"), [{ name: "step", color: "#9333ea" }],
@@ -20,7 +20,7 @@ const charts = {
 };
 
 // What tests and curious operators can read from the console.
-const dash = { snapshots: 0, last: null };
+const dash = { snapshots: 0, last: null, charts };
 window.pagedserveDashboard = dash;
 
 let prevSteps = null;
@@ -67,8 +67,14 @@ function renderTable(rows) {
 function renderConfig(snap) {
   const m = snap.model;
   const c = snap.config;
+  const sv = snap.serving || {};
+  const parser = sv.tool_call_parser
+    ? `${sv.tool_call_parser} (${sv.tool_call_parser_source})` : "none";
   const items = [
     ["model", m.name], ["path", m.path], ["dtype", m.dtype], ["device", m.device],
+    ["quantization", m.quantization ?? "none"], ["tool_call_parser", parser],
+    ["auto tool choice", sv.auto_tool_choice ? "on" : "off"],
+    ["served names", (sv.served_model_names || [m.name]).join(", ")],
     ["max_model_len", m.max_model_len], ["block_size", c.cache.block_size],
     ["num_blocks", c.cache.num_blocks], ["max_num_seqs", c.scheduler.max_num_seqs],
     ["max_num_batched_tokens", c.scheduler.max_num_batched_tokens],

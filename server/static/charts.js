@@ -1,5 +1,7 @@
 // A small time-series line chart on a <canvas>: a sliding time window, one line per series,
-// a y axis from zero to a rounded maximum, gaps where a value is missing (null).
+// a y axis from zero to a rounded maximum (1.2x the largest value seen in the window, at
+// least `minMax`, at most `capMax`: a KV cache at 3% fills the chart, not a 0-100 axis),
+// gaps where a value is missing (null).
 
 const COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea"];
 
@@ -12,19 +14,29 @@ function niceMax(v) {
 
 function fmt(v) {
   if (v >= 1000) return `${(v / 1000).toFixed(v >= 10000 ? 0 : 1)}k`;
-  return Number.isInteger(v) ? String(v) : v.toFixed(v < 10 ? 1 : 0);
+  if (Number.isInteger(v)) return String(v);
+  return v < 10 ? String(Number(v.toFixed(2))) : v.toFixed(0); // 0.25 stays 0.25, not 0.3
 }
 
 export class TimeChart {
-  // series: [{name, color?}], opts: {windowS, unit, fixedMax}
+  // series: [{name, color?}], opts: {windowS, unit, minMax, capMax}
   constructor(canvas, series, opts = {}) {
     this.canvas = canvas;
     this.series = series.map((s, i) => ({ color: COLORS[i % COLORS.length], ...s }));
     this.windowS = opts.windowS || 60;
     this.unit = opts.unit || "";
-    this.fixedMax = opts.fixedMax || null;
+    this.minMax = opts.minMax || 0;
+    this.capMax = opts.capMax || Infinity;
     this.points = []; // {t (seconds), values: [..]}
+    this.ymax = 1; // the y axis' top as last drawn (tests read it)
     this.draws = 0;
+  }
+
+  // The y axis' top for the values in the window.
+  axisMax() {
+    let max = 0;
+    for (const p of this.points) for (const v of p.values) if (v > max) max = v;
+    return Math.min(this.capMax, Math.max(this.minMax, niceMax(max * 1.2)));
   }
 
   push(t, values) {
@@ -59,9 +71,8 @@ export class TimeChart {
     const pw = w - left - right;
     const ph = h - top - bottom;
 
-    let max = 0;
-    for (const p of this.points) for (const v of p.values) if (v > max) max = v;
-    const ymax = this.fixedMax || niceMax(max * 1.1);
+    const ymax = this.axisMax();
+    this.ymax = ymax;
     const x = (t) => left + pw * (1 - (now - t) / this.windowS);
     const y = (v) => top + ph * (1 - v / ymax);
 
@@ -79,7 +90,7 @@ export class TimeChart {
       g.moveTo(left, yy);
       g.lineTo(left + pw, yy);
       g.stroke();
-      g.fillText(fmt(v), left - 4, yy);
+      g.fillText(fmt(v) + (k ? this.unit : ""), left - 4, yy);
     }
     g.textAlign = "center";
     g.textBaseline = "top";

@@ -117,7 +117,8 @@ def test_parallel_logits_equal_single_process(tiny_model_dir, single_logits):
 
 def test_layout_refuses_a_tp_that_does_not_divide_the_heads(tiny_model_dir):
     config = loader.load_config(tiny_model_dir)  # 4 heads, 2 KV heads, 2 layers
-    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads; sizes "
+                                         "that work for this model: 1, 2, 4$"):
         check_layout(config, 3, 1)
     with pytest.raises(ValueError, match="more than the model's 2 layers"):
         check_layout(config, 1, 3)

@@ -159,6 +159,9 @@ async def test_model_and_config(client):
     assert cfg["model"]["cpu_isa"] in cpu_isa.LEVELS  # the kernels' tier, _vnni or not
     # The tiny model is a Hugging Face folder: nothing to keep quantized.
     assert cfg["model"]["quantization"] == s["model"]["quantization"] == "none"
+    # The HTTP layer's settings the dashboard shows: SmolLM2's ChatML template picks hermes.
+    assert s["serving"] == {"served_model_names": [TINY_NAME], "tool_call_parser": "hermes",
+                            "tool_call_parser_source": "chat template", "auto_tool_choice": True}
     assert cfg["model"]["model"] == s["model"]["path"]
     # 2 layers x (K, V) x 1024 blocks x 16 tokens x 2 kv heads x 16 dims x 4 bytes
     assert cfg["cache"]["kv_cache_memory_bytes"] == 2 * 2 * 1024 * BLOCK * 2 * 16 * 4
@@ -206,7 +209,10 @@ async def test_stats_json_shape(client):
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    assert set(s) == {"scheduler", "kv_cache", "steps", "throughput", "model", "config", "time"}
+    assert set(s) == {"scheduler", "kv_cache", "steps", "throughput", "model", "config", "time",
+                      "serving"}
+    assert set(s["serving"]) == {"served_model_names", "tool_call_parser",
+                                 "tool_call_parser_source", "auto_tool_choice"}
     assert set(s["scheduler"]) == {
         "num_waiting", "num_waiting_for_grammar", "num_running", "num_preempted_total",
         "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",

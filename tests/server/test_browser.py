@@ -196,6 +196,12 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
         await expect(page.locator("#conn")).to_have_attribute("data-state", "live")
         await expect(page.locator("#num-running")).to_have_text("0")
         await expect(page.locator("#config")).to_contain_text("max_num_seqs")
+        config = page.locator("#config")  # quantization and the tool parser (issue 33)
+        await expect(config.locator("dt", has_text="quantization")).to_have_count(1)
+        await expect(config.locator("dt:text-is('quantization') + dd")).to_have_text("none")
+        await expect(config.locator("dt:text-is('tool_call_parser') + dd")).to_have_text(
+            "hermes (chat template)")
+        assert await page.locator('link[rel="icon"]').count() == 1
         await expect(page.locator("#engines-panel")).to_be_hidden()  # one engine: no panel
 
         queues = page.locator("#chart-queues")
@@ -217,6 +223,13 @@ async def test_dashboard_charts_follow_a_live_load(browser, tiny_model_dir):
                 assert not blank, chart
             assert float(await page.inner_text("#gen-tps")) > 0
             assert (await page.inner_text("#kv-usage")) != "0.0%"
+            # The KV chart's axis follows the data (1.2x the window's peak, rounded up),
+            # not a fixed 0-100 %.
+            ymax, peak = await page.evaluate(
+                "() => { const k = window.pagedserveDashboard.charts.kv; return [k.ymax,"
+                " Math.max(...k.points.map(p => p.values[0] ?? 0))]; }")
+            assert 0 < peak and peak * 1.2 <= ymax <= max(1, peak * 2.4) and ymax < 100, (
+                ymax, peak)
             await page.screenshot(path=ARTIFACTS / "admin-load.png", full_page=True)
         finally:
             for t in tasks:

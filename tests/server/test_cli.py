@@ -116,6 +116,14 @@ def test_flags_reach_their_fields(monkeypatch):
         == "m"
 
 
+def test_several_served_model_names_are_parsed_in_order():
+    """vLLM's ``nargs='+'``: every name after the flag; the first is the reported one."""
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "org/b", "--port", "9"])
+    serving = from_args(ServingConfig, args)
+    assert serving.served_model_name == ("a", "org/b") and serving.model_name == "a"
+    assert from_args(ServerConfig, args).port == 9
+
+
 def test_choices_are_enforced(capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "--block-size", "12"])

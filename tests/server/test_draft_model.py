@@ -14,13 +14,14 @@ from transformers import AutoTokenizer
 
 from pagedserve.actors.spec_decode import SpeculativeConfig
 from pagedserve.gpu import kv_cache
-from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
+from pagedserve.gpu.config import (EMBEDDED_SERVED_NAME, CacheConfig, DraftModelConfig,
+                                   ModelConfig)
 from pagedserve.gpu.model_runner import ModelRunner
 from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
 from tests.server.test_spec_decode import REPEAT
 
 
-def draft(path: Path, k: int = 3) -> SpeculativeConfig:
+def draft(path: Path | str, k: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(method="draft_model", model=str(path), num_speculative_tokens=k)
 
 
@@ -29,9 +30,11 @@ def delta(before: dict, after: dict, key: str) -> int:
 
 
 async def test_smollm2_as_its_own_draft_accepts_every_greedy_draft(default_model_dir):
+    """The draft named by the embedded model's hub id: the embedded file (issue 33: it went to
+    the hub), the same weights de-quantized, so every greedy draft is accepted."""
     want = hf_greedy(default_model_dir, chat_prompt_ids(default_model_dir, REPEAT), 24)
     async with serve(default_model_dir, name="smollm2",
-                     speculative=draft(default_model_dir)) as client:
+                     speculative=draft(EMBEDDED_SERVED_NAME)) as client:
         before = (await stats(client))["scheduler"]
         body = await chat(client, REPEAT, max_tokens=24, model="smollm2")
         after = (await stats(client))["scheduler"]

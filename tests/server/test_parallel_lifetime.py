@@ -125,11 +125,13 @@ async def test_refused_layouts_end_the_start_with_one_line(tiny_model_dir):
     inputs per rank at tp=4, under the 32-element block), are refused before any process
     starts."""
     with pytest.raises(ValueError, match=r"^--tensor-parallel-size 3 does not divide the "
-                                         r"model's 4 attention heads$"):
+                                         r"model's 4 attention heads; sizes that work for "
+                                         r"this model: 1, 2, 4$"):
         await AsyncEngine.start(engine_config(tiny_model_dir, parallel=ParallelConfig(3)))
     config = engine_config(tiny_model_dir, parallel=ParallelConfig(4), quantization="gguf")
-    with pytest.raises(ValueError, match=r"^--quantization gguf with --tensor-parallel-size 4: "
-                                         r"o_proj's input per rank is 16 elements"):
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 4 cuts GGUF blocks under "
+                                         r"--quantization gguf: o_proj's input per rank is 16 "
+                                         r"elements.*; sizes that work for this model: 1, 2$"):
         await AsyncEngine.start(config)
     assert not multiprocessing.active_children()
 

@@ -14,11 +14,14 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 from pagedserve.server.launch import start_server_process
 from tests.conftest import serve
 
@@ -28,16 +31,21 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 NEW_TOKENS = 16
 
 
+# Offline, so that the hub id can only mean the embedded file (the README's own form).
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
 @pytest.fixture(scope="module")
-def tp3_server(default_model_dir, tmp_path_factory):
-    """``-tp 3`` in float32, unquantized; three CPU threads shared out, one per rank (the
-    executor gives each rank ``PAGEDSERVE_CPU_THREADS // world``)."""
+def tp3_server(tmp_path_factory):
+    """``-tp 3`` in float32, unquantized, started by the embedded model's hub id (issue 33:
+    it went to the hub); three CPU threads shared out, one per rank (the executor gives each
+    rank ``PAGEDSERVE_CPU_THREADS // world``)."""
     log = tmp_path_factory.mktemp("tp3") / "server.log"
-    env = {**os.environ, "PAGEDSERVE_CPU_THREADS": "3"}
+    env = {**OFFLINE, "PAGEDSERVE_CPU_THREADS": "3"}
     with log.open("w") as out:
         try:
             proc, url = start_server_process(
-                [str(default_model_dir), "-tp", "3", "--dtype", "float32",
+                [EMBEDDED_SERVED_NAME, "-tp", "3", "--dtype", "float32",
                  "--quantization", "none", "--max-model-len", "192",
                  "--num-gpu-blocks-override", "12", "--max-num-batched-tokens", "32"],
                 stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -50,6 +58,16 @@ def tp3_server(default_model_dir, tmp_path_factory):
             assert proc.wait(timeout=60) == 0, log.read_text()
 
 
+def test_tp2_is_refused_naming_the_sizes_that_work():
+    """9 heads, 3 KV heads, MLP 1536: 1 and 3 ranks split it (9 would not divide the MLP)."""
+    exe = Path(sys.executable).parent / "pagedserve"
+    done = subprocess.run([str(exe), "serve", EMBEDDED_SERVED_NAME, "-tp", "2", "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env=OFFLINE)
+    assert done.returncode != 0
+    assert ("--tensor-parallel-size 2 does not divide the model's 9 attention heads; sizes "
+            "that work for this model: 1, 3") in done.stderr + done.stdout
+
+
 def _chat(url: str, prompt: str) -> list[int]:
     r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
         "messages": [{"role": "user", "content": prompt}], "temperature": 0,
@@ -60,6 +78,8 @@ def _chat(url: str, prompt: str) -> list[int]:
 
 def test_layout_is_three_ranks_one_kv_head_each(tp3_server):
     layout = httpx.get(f"{tp3_server}/admin/stats", timeout=30).json()["model"]["parallel"]
+    models = httpx.get(f"{tp3_server}/v1/models", timeout=30).json()["data"]
+    assert models[0]["id"] == EMBEDDED_SERVED_NAME
     assert [r["tp_rank"] for r in layout] == [0, 1, 2]
     assert [r["q_heads"] for r in layout] == [[0, 3], [3, 6], [6, 9]]
     assert [r["kv_heads"] for r in layout] == [[0, 1], [1, 2], [2, 3]]

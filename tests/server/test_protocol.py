@@ -230,6 +230,30 @@ async def test_request_id_header_and_extra_endpoints(client, tiny_model_dir):
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
+async def test_every_served_name_is_listed_and_accepted_the_first_reported(tiny_model_dir):
+    """``--served-model-name tiny-llama org/tiny``, through the openai client: both listed,
+    both accepted as ``model`` (chat, completions, responses), answers report the first, an
+    unknown name is a 404 naming both."""
+    import openai
+
+    serving = ServingConfig(("tiny-llama", "org/tiny"))
+    async with serve(tiny_model_dir, serving=serving) as client:
+        oai = openai.AsyncOpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1",
+                                 api_key="unused")
+        assert [m.id for m in (await oai.models.list()).data] == ["tiny-llama", "org/tiny"]
+        assert (await oai.models.retrieve("org/tiny")).id == "org/tiny"
+        msgs = [{"role": "user", "content": "Hi"}]
+        for name in ("tiny-llama", "org/tiny"):
+            chat_ = await oai.chat.completions.create(model=name, messages=msgs, max_tokens=2)
+            text = await oai.completions.create(model=name, prompt="Hi", max_tokens=2)
+            resp = await oai.responses.create(model=name, input="Hi", max_output_tokens=2)
+            assert chat_.model == text.model == resp.model == "tiny-llama"
+        with pytest.raises(openai.NotFoundError) as e:
+            await oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
+        assert e.value.body["param"] == "model"
+        assert "`tiny-llama`, `org/tiny`" in e.value.body["message"]
+
+
 @pytest.mark.parametrize("field,value", [
     ("temperature", "hot"), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5),
     ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),

@@ -120,6 +120,10 @@ async def test_openapi_describes_the_routes_with_the_protocol_models(tiny_model_
     async with serve(tiny_model_dir) as client:
         spec = (await client.get("/openapi.json")).json()
         docs = await client.get("/docs")
+        icon = await client.get("/favicon.ico")
+        css = await client.get("/static/style.css")
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/")
+    assert icon.content.startswith(b"<svg")
     assert spec["openapi"].startswith("3.")
     schemas = spec["components"]["schemas"]
     chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
@@ -133,6 +137,20 @@ async def test_openapi_describes_the_routes_with_the_protocol_models(tiny_model_
     assert "get" in spec["paths"]["/v1/models/{model}"]
     assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html")
     assert "/v1/chat/completions" in docs.text and 'id="CompletionRequest"' in docs.text
+    # /v1/responses has its request schema, from the pydantic model like the others.
+    responses = spec["paths"]["/v1/responses"]["post"]
+    assert responses["requestBody"]["content"]["application/json"]["schema"]["$ref"] == \
+        "#/components/schemas/ResponsesRequest"
+    assert {"input", "instructions", "previous_response_id"} <= set(
+        schemas["ResponsesRequest"]["properties"])
+    assert 'id="ResponsesRequest"' in docs.text and 'href="#ResponsesRequest"' in docs.text
+    # The "what" column describes each route instead of repeating its path.
+    for path, op in ((p, o) for p, ops in spec["paths"].items() for o in ops.values()):
+        assert op["summary"] and op["summary"] != path, path
+    # Styled like the pages, with the icon; the page's CSP lets both load.
+    assert '<link rel="stylesheet" href="/static/style.css">' in docs.text
+    assert 'rel="icon"' in docs.text and ".docs table.routes" in css.text
+    assert "style-src 'self'" in docs.headers["content-security-policy"]
 
 
 async def test_vllm_prefix_serves_every_name_of_vllms_dashboard(tiny_model_dir):
