@@ -36,7 +36,7 @@ DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 # (/, /admin, /static/*), the schema (the same on every server), and the operator routes,
 # which check the admin key themselves.
 OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics",
-                        "/ping", "/load", "/openapi.json", "/docs"})
+                        "/ping", "/load", "/openapi.json", "/docs", "/favicon.ico"})
 # The routes that run the model, counted by ``ServerLoad`` (vLLM's ``load_aware_call`` routes).
 LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
 

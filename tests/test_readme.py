@@ -13,6 +13,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -144,11 +145,15 @@ def test_every_readme_request_example_runs_as_written_and_is_bounded(default_ser
     assert call["function"]["name"] == "get_weather"
     assert "Paris" in json.loads(call["function"]["arguments"])["city"]
 
-    (snippet,) = readme_blocks("python")
-    assert "max_tokens=" in snippet
+    client_snippet, agents_snippet = readme_blocks("python")
+    assert "max_tokens=" in client_snippet and "max_tokens=" in agents_snippet
     scope: dict = {}
-    exec(snippet.replace(README_URL, default_server), scope)  # noqa: S102 (our own README)
+    exec(client_snippet.replace(README_URL, default_server), scope)  # noqa: S102 (our README)
     assert scope["r"].choices[0].message.content
+    # The Agents SDK example by the slash-free alias, in a process of its own (run_sync).
+    out = subprocess.run([sys.executable, "-c", agents_snippet.replace(README_URL, default_server)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Paris" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
 def test_every_pagedserve_command_in_the_readme_parses():

@@ -196,6 +196,7 @@ ROUTE_ACCESS = [
     ("GET", "/health", None, 200, 200), ("GET", "/ping", None, 200, 200),
     ("POST", "/ping", None, 200, 200), ("GET", "/load", None, 200, 200),
     ("GET", "/", None, 200, 200), ("GET", "/admin", None, 200, 200),
+    ("GET", "/favicon.ico", None, 200, 200),
     ("GET", "/docs", None, 200, 200), ("GET", "/openapi.json", None, 200, 200),
     ("GET", "/admin/stats", None, 401, 200), ("GET", "/admin/events", None, 401, 200),
     ("GET", "/metrics", None, 401, 200),
