@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -53,8 +54,11 @@ def test_make_announces_each_install_phase(tmp_path: Path) -> None:
     ``make -n``, which prints the recipe without running it."""
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path)
+    # Run under ``make test`` (CI), the parent's MAKEFLAGS/MAKELEVEL make the child print
+    # "make[1]: Entering/Leaving directory" lines: a clean environment reads the recipe alone.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     out = subprocess.run(["make", "-n", "serve"], cwd=tmp_path, capture_output=True,
-                         text=True, check=True).stdout.splitlines()
+                         text=True, check=True, env=env).stdout.splitlines()
     installs = [i for i, line in enumerate(out) if " -m pip install " in line]
     assert len(installs) == 3
     for i in installs:
