@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -265,6 +266,31 @@ def _stack_params(state: dict[str, torch.Tensor], mapping) -> None:
                 state[fused_name] = torch.cat([state.pop(s) for s in sources])
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's per-expert tensors (``...mlp.experts.{e}.gate_proj.weight`` ``[I, H]``,
+    ``up_proj``, ``down_proj`` ``[H, I]``: Qwen3-MoE's safetensors) stacked, in place, into the
+    grouped weights of ``fused_moe.FusedMoE``: ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``
+    (each expert's gate rows then its up rows) and ``...mlp.experts.down_proj`` ``[E, H, I]``.
+    A checkpoint already stacked (transformers' v5 names) is left as it is."""
+    found: dict[str, dict[int, dict[str, str]]] = {}
+    for name in state:
+        m = _EXPERT.match(name)
+        if m:
+            found.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = name
+    for prefix, experts in found.items():
+        ids = sorted(experts)
+        if ids != list(range(len(ids))) or any(len(experts[e]) != 3 for e in ids):
+            raise ModelLoadError(f"{prefix}: the checkpoint's experts are incomplete")
+        state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(
+            (state.pop(experts[e]["gate_proj"]), state.pop(experts[e]["up_proj"])))
+            for e in ids])
+        state[f"{prefix}.down_proj"] = torch.stack(
+            [state.pop(experts[e]["down_proj"]) for e in ids])
+
+
 def load_weights(model: torch.nn.Module, path: Path,
                  state: dict[str, torch.Tensor] | None = None) -> None:
     """Copy the directory's weights into ``model`` (names as in transformers); ``state``: the
@@ -274,6 +300,7 @@ def load_weights(model: torch.nn.Module, path: Path,
         ModelLoadError: a parameter of ours has no weight in the files.
     """
     state = load_state_dict(path) if state is None else state
+    stack_experts(state)
     _stack_params(state, getattr(model, "stacked_params", ()))
     if "lm_head.weight" not in state and getattr(model.config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -165,13 +165,21 @@ class LlamaMLP(nn.Module):
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
+def llama_mlp(config: PretrainedConfig, ops: LayerOps, parallel: ParallelContext | None,
+              layer_index: int) -> nn.Module:
+    """Layer ``layer_index``'s feed-forward block: the same dense MLP in every layer (a
+    family with experts picks per layer: ``qwen3_moe.qwen3_moe_mlp``)."""
+    return LlamaMLP(config, ops, parallel)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps,
-                 parallel: ParallelContext | None = None, attention=LlamaAttention):
+                 parallel: ParallelContext | None = None, attention=LlamaAttention,
+                 mlp: nn.Module | None = None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = attention(config, backend, ops, parallel)
-        self.mlp = LlamaMLP(config, ops, parallel)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, ops, parallel)
         self.input_layernorm = RMSNorm(h, eps, ops)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
 
@@ -190,11 +198,13 @@ class LlamaModel(nn.Module):
     """``config``: the full model's; ``local``: this rank's share (``local_config``), the
     same object without parallelism. A pipeline stage builds only its layers (the others are
     ``PPMissingLayer``s, so the layer indices stay global), the first stage the embedding, the
-    last the final norm. ``attention``: the layers' attention class (the family's)."""
+    last the final norm. ``attention``: the layers' attention class (the family's); ``mlp``:
+    builds each layer's feed-forward block (``llama_mlp``'s arguments)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps, parallel: ParallelContext | None = None,
-                 local: PretrainedConfig | None = None, attention=LlamaAttention):
+                 local: PretrainedConfig | None = None, attention=LlamaAttention,
+                 mlp=llama_mlp):
         super().__init__()
         local = local or config
         lay = parallel.layout if parallel is not None else None
@@ -207,7 +217,8 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(local, backend, ops, parallel, attention) if first <= i < last
+            LlamaDecoderLayer(local, backend, ops, parallel, attention,
+                              mlp(local, ops, parallel, i)) if first <= i < last
             else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -232,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
                       ("gate_up_proj", ("gate_proj", "up_proj")))
     # What a family built on this one changes (``qwen3.Qwen3ForCausalLM``).
     attention_cls = LlamaAttention
+    mlp_builder = staticmethod(llama_mlp)
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps | None = None, parallel: ParallelContext | None = None):
@@ -242,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         # What this rank's KV cache holds (its KV heads, its stage's layers).
         self.kv_config = config if parallel is None else local_config(config, parallel.layout)
         self.model = LlamaModel(config, backend, max_positions, self.ops, parallel,
-                                self.kv_config, self.attention_cls)
+                                self.kv_config, self.attention_cls, self.mlp_builder)
         if parallel is None or parallel.layout.is_last_stage:
             self.lm_head = nn.Linear(config.hidden_size, self.kv_config.vocab_size, bias=False)
         else:

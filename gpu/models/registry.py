@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.gpu.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # transformers' architecture name -> (our class, the model_type it goes with).
 ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
@@ -19,6 +20,7 @@ ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
     "MistralForCausalLM": (LlamaForCausalLM, "mistral"),
     "Qwen2ForCausalLM": (LlamaForCausalLM, "qwen2"),
     "Qwen3ForCausalLM": (Qwen3ForCausalLM, "qwen3"),
+    "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, "qwen3_moe"),
     # Llama's layers with q/k/v and gate/up stored fused, our own layout (loader keeps them).
     "Phi3ForCausalLM": (LlamaForCausalLM, "phi3"),
 }

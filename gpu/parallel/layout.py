@@ -38,6 +38,9 @@ def tp_problem(config: PretrainedConfig, tp: int) -> str | None:
         return f"can neither split nor replicate the model's {kv_heads} KV heads evenly"
     if config.intermediate_size % tp:
         return f"does not divide the MLP's intermediate size {config.intermediate_size}"
+    moe = getattr(config, "moe_intermediate_size", None)
+    if getattr(config, "num_experts", 0) and moe and moe % tp:
+        return f"does not divide the experts' intermediate size {moe}"
     return None
 
 
@@ -86,6 +89,8 @@ class RankLayout:
             head when ``tp > Hkv``).
         vocab: ``(start, end)`` of the vocabulary rows held, ``vocab_per_rank`` rows in all
             (the last rank's tail is zero padding).
+        moe_intermediate: ``(start, end)`` of every expert's intermediate rows (a model with
+            experts: ``moe_intermediate_size`` split as the dense MLP's is; else ``(0, 0)``).
     """
 
     tp_size: int
@@ -98,6 +103,7 @@ class RankLayout:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
     vocab_per_rank: int
+    moe_intermediate: tuple[int, int] = (0, 0)
 
     @property
     def rank(self) -> int:
@@ -151,10 +157,12 @@ def rank_layout(config: PretrainedConfig, tp: int, pp: int, rank: int) -> RankLa
     per_rank = -(-config.vocab_size // tp)
     vocab = (min(tp_rank * per_rank, config.vocab_size),
              min((tp_rank + 1) * per_rank, config.vocab_size))
+    moe = (getattr(config, "moe_intermediate_size", None) or 0) // tp
     return RankLayout(tp, pp, tp_rank, pp_rank,
                       stage_layers(config.num_hidden_layers, pp, pp_rank),
                       (tp_rank * hq, (tp_rank + 1) * hq), kv,
-                      (tp_rank * inter, (tp_rank + 1) * inter), vocab, per_rank)
+                      (tp_rank * inter, (tp_rank + 1) * inter), vocab, per_rank,
+                      (tp_rank * moe, (tp_rank + 1) * moe))
 
 
 def local_config(config: PretrainedConfig, layout: RankLayout) -> PretrainedConfig:
@@ -167,6 +175,8 @@ def local_config(config: PretrainedConfig, layout: RankLayout) -> PretrainedConf
     local.num_attention_heads = layout.q_heads[1] - layout.q_heads[0]
     local.num_key_value_heads = layout.kv_heads[1] - layout.kv_heads[0]
     local.intermediate_size = layout.intermediate[1] - layout.intermediate[0]
+    if getattr(config, "moe_intermediate_size", None):
+        local.moe_intermediate_size = layout.moe_intermediate[1] - layout.moe_intermediate[0]
     local.vocab_size = layout.vocab_per_rank
     local.num_hidden_layers = layout.layers[1] - layout.layers[0]
     return local

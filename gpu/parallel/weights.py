@@ -7,6 +7,9 @@ The split of each tensor (Megatron-LM's, as vLLM's ``weight_loader``s do it):
 - ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj`` (column-parallel): rows of
   the rank's heads / intermediate range, biases likewise;
 - ``qkv_proj``, ``gate_up_proj`` stored fused (Phi-3): each part's rows as above, concatenated;
+- a mixture of experts' ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``: as the
+  dense MLP's, over ``moe_intermediate_size`` (every expert on every rank, each a slice); the
+  router (``mlp.gate``) whole;
 - ``o_proj``, ``down_proj`` (row-parallel): columns; a ``down_proj`` bias only on the first
   rank (the all-reduce would add it ``tp`` times);
 - ``embed_tokens``, ``lm_head``: the rank's vocabulary rows, zero-padded to ``V/tp``;
@@ -66,6 +69,8 @@ def shard_plan(config: PretrainedConfig,
             if not layout.layers[0] <= int(m.group(1)) < layout.layers[1]:
                 return None
             proj = name.split(".")[-2]
+            if ".mlp.experts." in name and proj in ("gate_proj", "up_proj", "down_proj"):
+                return (0 if proj != "down_proj" else 1, *layout.moe_intermediate, None, False)
             if proj in _FUSED:  # the parts' rank rows, each from its offset in the tensor
                 plans, offset = [], 0
                 for attr in _FUSED[proj]:
