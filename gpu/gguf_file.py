@@ -32,7 +32,11 @@ LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 # Norms over each head of q and k (Qwen3), after ``model.layers.{i}.self_attn.``.
 HEAD_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
 # The ``general.architecture``s whose tensors these names cover.
-READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+# A mixture of experts' tensors (after ``blk.{i}.``): the router, ``[E, H]`` rows (usually
+# F32), and the experts stacked on a leading axis (``gguf_moe.py``).
+MOE_ROUTER = "ffn_gate_inp"
+MOE_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
 PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -180,6 +184,15 @@ def rows_view(t) -> torch.Tensor:
         return torch.from_numpy(data.reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1))
 
 
+def expert_rows(t) -> torch.Tensor:
+    """3-D block tensor ``t`` (GGUF dims ``(in, out, E)``) as uint8 ``[E, out, row_bytes]``: a
+    read-only view of the mapped file, expert ``e``'s rows the contiguous ``[e]``."""
+    data = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data.reshape(int(t.shape[2]), int(t.shape[1]), -1))
+
+
 def in_features(t) -> int:
     """The input width of a 2-D GGUF tensor (its ``ne0``)."""
     return int(t.shape[0])
@@ -190,7 +203,8 @@ def out_features(t) -> int:
 
 
 def dequantized(t, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``t``'s values as a new ``dtype`` tensor, ``[out, in]`` (1-D stays 1-D), through
+    """Tensor ``t``'s values as a new ``dtype`` tensor, ``[out, in]`` (1-D stays 1-D, 3-D
+    experts ``[E, out, in]``), through
     gguf-py's ``quants.dequantize`` (as transformers de-quantizes GGUF files).
 
     Raises:
@@ -202,7 +216,7 @@ def dequantized(t, dtype: torch.dtype) -> torch.Tensor:
         values = quants.dequantize(np.asarray(t.data), t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(f"GGUF tensor {t.name}: {e}") from e
-    shape = (out_features(t), in_features(t)) if len(t.shape) > 1 else (in_features(t),)
+    shape = tuple(int(d) for d in reversed(t.shape))  # numpy's order of GGUF's dims
     # a copy in any case: an F32 tensor's values are a view of the file
     return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype, copy=True)
 
@@ -214,7 +228,9 @@ def config_from_tensors(path: Path, config: PretrainedConfig) -> dict:
       converter's form of Llama 3.x's ``llama3`` RoPE scaling (per-frequency divisors of the
       inverse frequencies; no metadata key says so);
     - ``head_dim``: from ``attn_q``'s rows when they are not ``hidden / heads`` heads (Qwen3's
-      128 at sizes where that differs; transformers maps no ``attention.key_length``).
+      128 at sizes where that differs; transformers maps no ``attention.key_length``);
+    - ``moe_intermediate_size``: the experts' width, from ``ffn_gate_exps`` (transformers'
+      ``qwen3moe`` config maps no ``expert_feed_forward_length``).
     """
     f = open_gguf(path)
     fields = {}
@@ -226,4 +242,7 @@ def config_from_tensors(path: Path, config: PretrainedConfig) -> dict:
         head_dim = out_features(q) // heads
         if head_dim != (getattr(config, "head_dim", None) or config.hidden_size // heads):
             fields["head_dim"] = head_dim
+    exps = f.tensors.get(f"blk.0.{MOE_EXPERTS[0]}.weight")
+    if exps is not None and len(exps.shape) == 3:
+        fields["moe_intermediate_size"] = int(exps.shape[1])
     return fields

@@ -202,12 +202,14 @@ def weights_kind(model: nn.Module, dtype: torch.dtype) -> str:
 
 
 def gguf_parts(model: nn.Module) -> list[LinearPart]:
-    """Every part of the model's GGUF layers and embedding, each tensor once (a tied
-    ``lm_head`` and the embedding share one)."""
+    """Every part of the model's GGUF layers, embedding and experts (``expert_parts``:
+    ``gguf_moe.GGUFFusedMoE``), each tensor once (a tied ``lm_head`` and the embedding share
+    one)."""
     seen: dict[int, LinearPart] = {}
     for m in model.modules():
         for part in (m.parts if isinstance(m, GGUFLinear) else
-                     [m.part] if isinstance(m, GGUFEmbedding) else []):
+                     [m.part] if isinstance(m, GGUFEmbedding) else
+                     getattr(m, "expert_parts", [])):
             seen.setdefault(id(part.weight), part)
     return list(seen.values())
 

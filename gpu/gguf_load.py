@@ -7,6 +7,8 @@ one holding the file's tensors (``gguf_file.open_gguf`` maps the file):
   mode each part is a view of the file's rows (q/k kept in llama.cpp's interleave, undone on
   the output), in ``int8`` the kernel's panels (``gguf_q8_repack``; q/k un-interleaved first,
   consecutive parts of one type stacked into one panel set);
+- a mixture of experts' 3-D ``ffn_{gate,up,down}_exps`` become a ``gguf_moe.GGUFFusedMoE``
+  whose parts are per-expert views of them (its router, ``ffn_gate_inp``, a linear as above);
 - ``token_embd`` stays quantized (``GGUFEmbedding``), and a tied ``lm_head`` multiplies by the
   same tensor;
 - a type the mode's kernel does not read is de-quantized for that tensor only (a ``float``
@@ -32,6 +34,7 @@ from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from pagedserve.gpu import gguf_file as gf
+from pagedserve.gpu.fused_moe import FusedMoE
 from pagedserve.gpu.gguf_linear import (
     GGUFEmbedding,
     GGUFLinear,
@@ -40,10 +43,12 @@ from pagedserve.gpu.gguf_linear import (
     quantized_part,
     unpermute,
 )
+from pagedserve.gpu.gguf_moe import GGUFFusedMoE
 from pagedserve.gpu.linear_bands import LinearPlan
 from pagedserve.gpu.loader import ModelLoadError
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from pagedserve.kernels import gguf_ops
 
 log = structlog.get_logger(__name__)
@@ -150,6 +155,35 @@ class _Builder:
         flush(last)
         return parts
 
+    def experts(self, i: int, want: FusedMoE) -> nn.Module:
+        """Layer ``i``'s experts shaped as ``want`` (the model's): per expert, a part over
+        its slice of each 3-D tensor, kept in place where the plan's kernel reads the type,
+        de-quantized (that tensor only) where not; all float without a plan."""
+        ts = [self.tensor(f"blk.{i}.{s}.weight") for s in gf.MOE_EXPERTS]
+        e, h, inter = want.num_experts, want.hidden, want.intermediate
+        shapes = [tuple(int(d) for d in t.shape) for t in ts]
+        if shapes != [(h, inter, e), (h, inter, e), (inter, h, e)]:
+            raise ModelLoadError(f"{self.f.path}: layer {i}'s experts have GGUF shapes "
+                                 f"{shapes}; the config says {e} experts of {inter} over {h}")
+        if self.plan is None:
+            gate, up, down = (gf.dequantized(t, self.dtype) for t in ts)
+            with torch.device("meta"):
+                module = FusedMoE(e, h, inter, want.ops)
+            module.gate_up_proj = nn.Parameter(torch.cat((gate, up), dim=1),
+                                               requires_grad=False)
+            module.down_proj = nn.Parameter(down, requires_grad=False)
+            return module
+        return GGUFFusedMoE(*(self._expert_parts(t) for t in ts), h, inter, want.ops)
+
+    def _expert_parts(self, t) -> list[LinearPart]:
+        qtype, k, out = int(t.tensor_type), gf.in_features(t), gf.out_features(t)
+        if not self.kept(qtype):
+            self.dequantized[t.name] = t.tensor_type.name
+            values = gf.dequantized(t, self.dtype)  # [E, out, in]
+            return [LinearPart("float", w, qtype, out) for w in values]
+        rows = gf.expert_rows(t)  # [E, out, row_bytes], a view of the file
+        return [quantized_part(r, qtype, k, self.plan.path) for r in rows]
+
     def embedding_and_head(self, tied: bool) -> tuple[nn.Module, nn.Module]:
         """``token_embd`` and ``lm_head`` (``output``, else the tied ``token_embd``)."""
         emb = self.tensor("token_embd.weight")
@@ -219,7 +253,15 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
     for i in tqdm(range(len(layers)), desc=f"loading {path.name}", unit="layer", delay=1.0,
                   leave=False):
         layer = layers[i]
+        moe = isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)
+        if moe:
+            layer.mlp.gate = b.linear([f"blk.{i}.{gf.MOE_ROUTER}"], None)
+            _check_shape(f"layer {i} router", layer.mlp.gate, nn.Linear(
+                config.hidden_size, config.num_experts, device="meta"))
+            layer.mlp.experts = b.experts(i, layer.mlp.experts)
         for target, shorts in _FUSED.items():
+            if moe and target.startswith("mlp."):
+                continue
             names = [f"blk.{i}.{s}" for s in shorts]
             biases = ([f"{n}.bias" for n in names]
                       if target == "self_attn.qkv_proj" and qwen_bias else None)

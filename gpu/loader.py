@@ -77,7 +77,7 @@ def _sha256(path: Path) -> str:
 
 
 # Bump when what gguf_metadata_dir writes changes.
-_METADATA_VERSION = "v2"  # v2: rope_freq_factors, head_dim from the tensors
+_METADATA_VERSION = "v3"  # v2: rope_freq_factors, head_dim; v3: moe_intermediate_size
 
 
 def _file_key(gguf: Path) -> str:

@@ -5,6 +5,11 @@ whose tp=2 row-parallel ranges are whole 32-element blocks.
 
 The layers get different block types (Q8_0, Q4_0, Q4_1) so every kernel and block size is cut;
 q/k rows are interleaved as llama.cpp's ``convert_hf_to_gguf.py`` writes them.
+
+A Qwen3-MoE is written as llama.cpp's ``qwen3moe``: each layer's router as ``ffn_gate_inp``
+(float32, as llama.cpp keeps it) and its experts stacked into 3-D ``ffn_gate_exps`` /
+``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``, quantized row by row
+(``EXPERTS``' types).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ _LAYER = {
 
 
 LAYER_SHORTS = tuple(short for short, _ in _LAYER.values())
+# A mixture of experts' 3-D tensors: GGUF name -> (transformers' per-expert name, type).
+EXPERTS = {"ffn_gate_exps": ("gate_proj", Q.Q8_0), "ffn_up_exps": ("up_proj", Q.Q4_1),
+           "ffn_down_exps": ("down_proj", Q.Q4_0)}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -198,6 +206,16 @@ def lowbit_quantize(t: np.ndarray, qtype) -> np.ndarray:
     return np.concatenate([hmask, q2, scales, d.reshape(nb, 1).view(np.uint8)], -1).reshape(n, -1)
 
 
+def _add_experts(add, state: dict, i: int, num_experts: int, types: dict) -> None:
+    """Layer ``i``'s router and its experts stacked on a leading axis (llama.cpp's layout)."""
+    prefix = f"model.layers.{i}.mlp"
+    add(f"blk.{i}.ffn_gate_inp.weight", state[f"{prefix}.gate.weight"], None)
+    for short, (proj, qtype) in EXPERTS.items():
+        stacked = np.stack([state[f"{prefix}.experts.{e}.{proj}.weight"]
+                            for e in range(num_experts)])
+        add(f"blk.{i}.{short}.weight", stacked, types.get(short, qtype))
+
+
 def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
                     types: dict | None = None, embedding=Q.Q8_0) -> Path:
     """``model_dir``'s float32 safetensors as ``out`` (a .gguf file); ``types``: GGUF short
@@ -207,7 +225,7 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     # A Qwen3 config is written as llama.cpp's ``qwen3`` architecture: q/k not interleaved,
     # q/k norms, the head size as its own keys.
-    arch = "qwen3" if config.model_type == "qwen3" else "llama"
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}.get(config.model_type, "llama")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     w = GGUFWriter(str(out), arch)
     w.add_context_length(config.max_position_embeddings)
@@ -216,9 +234,13 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    if arch == "qwen3":
+    if arch != "llama":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
     w.add_rope_dimension_count(head_dim)
     rope = getattr(config, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
@@ -250,13 +272,18 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
     add("output_norm.weight", state["model.norm.weight"], None)
     for i in range(config.num_hidden_layers):
+        moe = f"model.layers.{i}.mlp.gate.weight" in state
+        if moe:
+            _add_experts(add, state, i, config.num_experts, types or {})
         for suffix, (short, qtype) in _LAYER.items():
+            if moe and suffix.startswith("mlp."):
+                continue
             qtype = (types or {}).get(short, qtype)
             t = state[f"model.layers.{i}.{suffix}"]
             if short in ("attn_q", "attn_k") and arch == "llama":
                 t = _permute(t, heads if short == "attn_q" else kv_heads)
             add(f"blk.{i}.{short}.weight", t, qtype)
-        if arch == "qwen3":
+        if arch != "llama":
             for short, ours in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
                 add(f"blk.{i}.{short}.weight", state[f"model.layers.{i}.self_attn.{ours}.weight"],
                     None)

@@ -84,3 +84,72 @@ async def test_tensor_parallel_splits_the_experts(moe_dir):
     for prompt, body in zip(PROMPTS[1:], bodies, strict=True):
         assert body["choices"][0]["token_ids"] == hf_greedy(
             moe_dir, chat_prompt_ids(moe_dir, prompt), 12), prompt
+
+
+def _dequantized_hf(gguf, src):
+    """transformers' Qwen3-MoE (``src``'s config) holding the GGUF file's weights
+    de-quantized by gguf-py: the oracle for the kept-quantized path."""
+    import numpy as np
+    from gguf import GGUFReader, quants
+    from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
+
+    def value(t):
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return torch.from_numpy(np.array(
+            quants.dequantize(np.asarray(t.data), t.tensor_type)).reshape(shape)).float()
+
+    f = {t.name: value(t) for t in GGUFReader(str(gguf)).tensors}
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate_inp": "mlp.gate", "ffn_down_exps": "mlp.experts.down_proj"}
+    state = {"model.embed_tokens.weight": f["token_embd.weight"],
+             "model.norm.weight": f["output_norm.weight"]}
+    model = HFQwen3Moe.from_pretrained(src, dtype=torch.float32).eval()
+    for i in range(model.config.num_hidden_layers):
+        for short, ours in names.items():
+            leaf = "" if ours.endswith("_proj") and "experts" in ours else ".weight"
+            state[f"model.layers.{i}.{ours}{leaf}"] = f[f"blk.{i}.{short}.weight"]
+        state[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat(
+            (f[f"blk.{i}.ffn_gate_exps.weight"], f[f"blk.{i}.ffn_up_exps.weight"]), dim=1)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+async def test_gguf_experts_kept_quantized_match_transformers(tmp_path, default_model_dir):
+    """llama.cpp's ``qwen3moe`` layout (3-D Q8_0 / Q4_1 / Q4_0 expert tensors, F32 router)
+    served from the file's blocks, in both kernel modes: the experts are never de-quantized,
+    and greedy tokens and their logprobs equal transformers' on the de-quantized weights."""
+    from tests.gguf_tiny import write_tiny_gguf
+
+    src = random_qwen3_moe(tmp_path / "hf", mlp_only_layers=(), num_hidden_layers=2)
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-moe.gguf",
+                           loader.load_config(src))
+    meta = loader.load_config(loader.gguf_metadata_dir(gguf))
+    assert (meta.model_type, meta.moe_intermediate_size, meta.num_experts) == (
+        "qwen3_moe", 64, 8)
+    hf = _dequantized_hf(gguf, src)
+    ids = chat_prompt_ids(default_model_dir, PROMPTS[1])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        want = out[0, len(ids):].tolist()
+        logits = hf(out).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    want_lp = [logits[j, t].item() for j, t in enumerate(want)]
+    for mode in ("exact", "int8"):
+        async with serve(gguf, quantization="gguf", cpu_linear_mode=mode) as client:
+            s = await stats(client)
+            body = await chat(client, PROMPTS[1], max_tokens=10, logprobs=True)
+        weights = s["config"]["model"]["weights_resident"]
+        # only the two F32 routers are float: every 3-D expert tensor is kept as blocks
+        assert (weights["dequantized_tensors"], weights["dequantized_types"]) == (2, ["F32"])
+        assert weights["quantized_bytes"] > weights["float_bytes"] / 4
+        got = body["choices"][0]
+        if mode == "exact":  # the de-quantized weights' exact products
+            assert got["token_ids"] == want
+            lp = [c["logprob"] for c in got["logprobs"]["content"]]
+            assert lp == pytest.approx(want_lp, abs=2e-3)
+        else:  # int8 activations: llama.cpp's arithmetic, close to the float products
+            assert got["token_ids"][:3] == want[:3]
