@@ -153,3 +153,6 @@ async def test_gguf_experts_kept_quantized_match_transformers(tmp_path, default_
             assert lp == pytest.approx(want_lp, abs=2e-3)
         else:  # int8 activations: llama.cpp's arithmetic, close to the float products
             assert got["token_ids"][:3] == want[:3]
+    with pytest.raises(ValueError, match="GGUF mixture of experts is served by one process"):
+        async with serve(gguf, quantization="gguf", parallel=ParallelConfig(2, 1)):
+            pass
