@@ -60,10 +60,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` bfloat16 in oneDNN's blocked layout (a copy), for
+    ``packed_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                   PACK_BATCH_HINT)
+
+
+def packed_linear(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[n, in]`` bfloat16 times a ``pack_weight`` ``[out, in]`` → ``[n, out]``."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, None, "none", [], "")
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``model`` by a ``PackedLinear``; returns how many."""
+    """Replace every ``nn.Linear`` under ``model`` by a ``PackedLinear``, and pack every
+    module that can pack itself (``pack_weights``: a mixture of experts' grouped weights,
+    ``fused_moe.FusedMoE``); returns how many linears."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+    for m in list(model.modules()):
+        if hasattr(m, "pack_weights"):
+            m.pack_weights()
     return len(targets)

@@ -93,8 +93,27 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.ops = ops
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def pack_weights(self) -> None:
+        """bfloat16 on the CPU (``cpu_gemm.pack_linears`` calls it where ``can_pack``): each
+        expert's two weights in oneDNN's layout, the grouped originals dropped (one copy).
+        ``F.linear`` would re-lay-out an expert's weight at every call: ~30x slower at a
+        decode's few rows (measured here, noisy)."""
+        from pagedserve.gpu.cpu_gemm import pack_weight
+
+        self.packed = [(pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
+                       for e in range(self.num_experts)]
+        empty = torch.empty(0, dtype=self.gate_up_proj.dtype)
+        self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+        self.down_proj = nn.Parameter(empty, requires_grad=False)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            from pagedserve.gpu.cpu_gemm import packed_linear
+
+            gate_up, down = self.packed[e]
+            return packed_linear(self.ops.silu_and_mul(packed_linear(rows, gate_up)), down)
         h = self.ops.silu_and_mul(F.linear(rows, self.gate_up_proj[e]))  # [n, 2I] → [n, I]
         return F.linear(h, self.down_proj[e])
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.gpu import cpu_gemm
 from pagedserve.gpu.fused_moe import (
     FusedMoE,
     moe_grouped,
@@ -82,3 +83,19 @@ def test_triton_fused_moe_equals_the_per_token_sum(dtype):
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert got.dtype == dtype and got.shape == (40, H)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not cpu_gemm.can_pack(torch.bfloat16, torch.device("cpu")),
+                    reason="no native oneDNN bfloat16 here")
+def test_bfloat16_experts_packed_for_onednn_give_the_same_output():
+    x, gate_up, down, weights, ids = _case(24, 4, torch.bfloat16)
+    layer = FusedMoE(E, H, I, TorchLayerOps()).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.gate_up_proj.copy_(gate_up)
+        layer.down_proj.copy_(down)
+        plain = layer(x, weights, ids)
+        model = torch.nn.Sequential(layer)
+        cpu_gemm.pack_linears(model)
+        packed = layer(x, weights, ids)
+    assert layer.packed is not None and layer.gate_up_proj.numel() == 0  # one copy kept
+    torch.testing.assert_close(packed.float(), plain.float(), atol=2e-2, rtol=2e-2)
