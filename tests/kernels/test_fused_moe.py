@@ -18,7 +18,7 @@ from pagedserve.gpu.fused_moe import (
 from pagedserve.gpu.layer_ops import TorchLayerOps
 from tests.triton_interpreter import KERNEL_DEVICE as DEVICE
 
-E, H, I, K = 6, 64, 32, 2
+E, H, I, K = 6, 64, 32, 2  # noqa: E741  (the MoE papers' names)
 
 
 def _case(t: int, seed: int, dtype=torch.float32):
