@@ -144,17 +144,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    @staticmethod
-    def decode(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if "sliding_window" in kwargs and "query_start_loc" not in kwargs:
-            return reference.paged_decode_attention(query, *args, **kwargs)
-        return cpu_ops.paged_decode_attention(query, *args, **kwargs)
+    decode = staticmethod(cpu_ops.paged_decode_attention)
 
     @staticmethod
     def prefill(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """Our flash-style kernel where it is built for this head size (faster than torch's
         SDPA per sequence: ``loadtest/RESULTS.md``), else the reference."""
-        if cpu_ops.prefill_supported(query.shape[2]) and not kwargs:
+        if cpu_ops.prefill_supported(query.shape[2]):
             return cpu_ops.paged_prefill_attention(query, *args, **kwargs)
         return reference.paged_prefill_attention(query, *args, **kwargs)
 
