@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
 from pagedserve.gpu.layer_ops import LayerOps, RopeStep, TorchLayerOps
 from pagedserve.gpu.layer_ops import apply_rope as apply_rope  # the reference, for tests
+from pagedserve.gpu.models.sliding_window import layer_sliding_windows
 from pagedserve.gpu.parallel.comm import ParallelContext
 from pagedserve.gpu.parallel.layers import PPMissingLayer, VocabParallelEmbedding
 from pagedserve.gpu.parallel.layout import local_config
@@ -130,6 +131,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.backend, self.ops = backend, ops
+        # Set per layer by LlamaModel (gpu/models/sliding_window.py); None: full attention.
+        self.sliding_window: int | None = None
 
     def project_qkv(self, x: torch.Tensor, rope: RopeStep):
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x`` ``[T, hidden]``, q and k rotated:
@@ -143,7 +146,8 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.project_qkv(x, rope)
         self.backend.write_kv(k, v, kv_cache, meta)
-        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        out = self.backend.forward(q, kv_cache, meta, self.scale,
+                                   sliding_window=self.sliding_window)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_size))
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
@@ -210,6 +214,9 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(local, backend, ops, parallel, attention) if first <= i < last
             else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
+        for i, window in enumerate(layer_sliding_windows(config)):
+            if first <= i < last:
+                self.layers[i].self_attn.sliding_window = window
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
                      if lay is None or lay.is_last_stage else PPMissingLayer())
         self.rotary_emb = RotaryEmbedding(config, attention_head_size(config), max_positions)
@@ -232,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
                       ("gate_up_proj", ("gate_proj", "up_proj")))
     # What a family built on this one changes (``qwen3.Qwen3ForCausalLM``).
     attention_cls = LlamaAttention
+    # Each layer's attention applies its config window (registry.unhonoured_sliding_window).
+    honours_sliding_window = True
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps | None = None, parallel: ParallelContext | None = None):
