@@ -96,3 +96,31 @@ async def test_concurrent_requests_and_preemption_keep_outputs(mistral_dir):
         assert body["choices"][0]["token_ids"] == hf_greedy(mistral_dir, ids, 24), prompt
     assert s["kv_cache"]["num_free_blocks"] == 6  # every block back
     assert s["scheduler"]["num_preempted_total"] > 0
+
+
+async def test_qwen2_per_layer_windows_mask_without_releasing(tmp_path, default_model_dir):
+    """Qwen2 with ``use_sliding_window``: layers from ``max_window_layers`` on are windowed,
+    the first is global, so every block stays (the windows only mask) and the output still
+    equals transformers'."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(12)
+    config = Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=49152, sliding_window=WINDOW, use_sliding_window=True,
+        max_window_layers=1, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2, tie_word_embeddings=True, initializer_range=0.1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(tmp_path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(tmp_path)
+    loaded = loader.load_config(tmp_path)
+    assert registry.kv_sliding_window(loaded) is None
+    assert registry.derived_max_model_len(loaded) == 2048
+    async with serve(tmp_path, max_num_batched_tokens=32, block_size=BLOCK) as client:
+        ids = chat_prompt_ids(tmp_path, PROMPTS[0])
+        body = await chat(client, PROMPTS[0], max_tokens=24, ignore_eos=True)
+        kv = (await stats(client))["kv_cache"]
+    assert body["choices"][0]["token_ids"] == hf_greedy(tmp_path, ids, 24)
+    assert kv["sliding_window"] is None and kv["num_released_blocks_total"] == 0
+    assert kv["max_blocks_in_use"] >= -(-(len(ids) + 23) // BLOCK)  # all kept
