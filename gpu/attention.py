@@ -143,7 +143,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     flash-attention-style kernel."""
 
     name = "cpu"
-
     decode = staticmethod(cpu_ops.paged_decode_attention)
 
     @staticmethod
