@@ -56,13 +56,12 @@ def layer_type(config: PretrainedConfig, layer_idx: int) -> str:
 def configure_gemma_attention(attn: LlamaAttention, config: PretrainedConfig, layer_idx: int,
                               soft_cap: float | None) -> None:
     """Gemma's attention settings on a Llama-built attention: the ``query_pre_attn_scalar``
-    scale, the layer's type and window, and the attention-logit ``soft_cap`` (None: none)."""
+    scale, the layer's type (its window: ``LlamaModel`` sets it from ``layer_types``,
+    ``gpu/models/sliding_window.py``) and the attention-logit ``soft_cap`` (None or 0:
+    none)."""
     attn.scale = float(config.query_pre_attn_scalar) ** -0.5
     attn.layer_type = layer_type(config, layer_idx)
-    # The window is not passed yet: the backends attend fully, and the registry caps the
-    # context to it (``registry.unhonoured_sliding_window``), where both are the same.
-    kwargs = {"logits_soft_cap": soft_cap}
-    attn.backend_kwargs = {k: v for k, v in kwargs.items() if v}  # 0 / None: not applied
+    attn.logits_soft_cap = soft_cap or None
 
 
 class Gemma2Attention(LlamaAttention):

@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
 from pagedserve.gpu.layer_ops import LayerOps, RopeStep, TorchLayerOps
 from pagedserve.gpu.layer_ops import apply_rope as apply_rope  # the reference, for tests
+from pagedserve.gpu.models.sliding_window import layer_sliding_windows
 from pagedserve.gpu.parallel.comm import ParallelContext
 from pagedserve.gpu.parallel.layers import PPMissingLayer, VocabParallelEmbedding
 from pagedserve.gpu.parallel.layout import local_config
@@ -138,9 +139,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.backend, self.ops = backend, ops
-        # What a family passes the backend besides the scale (Gemma's ``sliding_window``,
-        # ``logits_soft_cap``): only the keys it sets.
-        self.backend_kwargs: dict = {}
+        # Set per layer by LlamaModel (gpu/models/sliding_window.py); None: full attention.
+        self.sliding_window: int | None = None
+        # Attention-logit soft-cap (Gemma 2's ``attn_logit_softcapping``); None: none.
+        self.logits_soft_cap: float | None = None
 
     def project_qkv(self, x: torch.Tensor, rope: RopeStep):
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x`` ``[T, hidden]``, q and k rotated:
@@ -154,7 +156,9 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.project_qkv(x, rope)
         self.backend.write_kv(k, v, kv_cache, meta)
-        out = self.backend.forward(q, kv_cache, meta, self.scale, **self.backend_kwargs)
+        out = self.backend.forward(q, kv_cache, meta, self.scale,
+                                   sliding_window=self.sliding_window,
+                                   logits_soft_cap=self.logits_soft_cap)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_size))
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
@@ -238,6 +242,9 @@ class LlamaModel(nn.Module):
             family.decoder_layer_cls(local, backend, ops, parallel, family.attention_cls, i)
             if first <= i < last else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
+        for i, window in enumerate(layer_sliding_windows(config)):
+            if first <= i < last:
+                self.layers[i].self_attn.sliding_window = window
         self.norm = (family.norm_cls(config.hidden_size, config.rms_norm_eps, ops)
                      if lay is None or lay.is_last_stage else PPMissingLayer())
         self.rotary_emb = family.rotary_cls(config, attention_head_size(config), max_positions)
@@ -264,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
     decoder_layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
     rotary_cls = RotaryEmbedding
+    # Each layer's attention applies its config window (registry.unhonoured_sliding_window).
+    honours_sliding_window = True
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps | None = None, parallel: ParallelContext | None = None):

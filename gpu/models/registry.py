@@ -14,6 +14,8 @@ from pagedserve.gpu.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.gpu.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.gpu.models.sliding_window import config_window
+from pagedserve.gpu.models.sliding_window import kv_sliding_window as kv_sliding_window
 
 # transformers' architecture name -> (our class, the model_type it goes with).
 ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
@@ -113,13 +115,17 @@ def short_rope_limit(config: PretrainedConfig) -> int | None:
 
 
 def unhonoured_sliding_window(config: PretrainedConfig) -> int | None:
-    """The config's attention window in tokens when the model uses one (Mistral v0.1's 4096,
-    Phi-3's 2047; Qwen2/3 only with ``use_sliding_window``), else None. Our attention is
-    full, so the context is capped to it, as vLLM's ``--disable-sliding-window`` caps
-    ``max_model_len``: within the window full and windowed attention are the same."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0:
+    """The config's attention window in tokens (``sliding_window.config_window``: Mistral
+    v0.1's 4096, Phi-3's 2047; Qwen2/3 only with ``use_sliding_window``) when the model class
+    that serves it does not apply it (no ``honours_sliding_window``), else None. Such a
+    model's context is capped to the window, as vLLM's ``--disable-sliding-window`` caps
+    ``max_model_len``: within the window full and windowed attention are the same. Our
+    Llama-family classes apply it per layer (``gpu/models/sliding_window.py``)."""
+    window = config_window(config)
+    if window is None:
         return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
+    try:
+        cls = model_class(config)
+    except UnsupportedArchitecture:
+        return window  # refused later, where the model is built
+    return None if getattr(cls, "honours_sliding_window", False) else window
