@@ -155,19 +155,51 @@ async def test_gemma_system_turn_is_a_400(gemma_dir):
         gemma_dir, chat_prompt_ids(gemma_dir, "Hi"), 2)
 
 
+# A window shorter than every prompt here (24 tokens: the local layers see only the last 24),
+# and Gemma 2's attention-logit cap at 2 (its 50 would never bind on these small logits).
+WINDOWED = {"gemma2": {"sliding_window": 24, "attn_logit_softcapping": 2.0},
+            "gemma3": {"sliding_window": 24}}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+async def test_gemma_sliding_window_and_soft_cap_match_transformers(family, tmp_path,
+                                                                     default_model_dir):
+    """Prompts past the window, prefilled in 16-token chunks (the window spans chunks), then
+    decoded past it, then again from the prefix cache: tokens and logprobs as transformers'
+    masked (and, Gemma 2, capped) attention gives them. Gemma's global layers keep every
+    block, so the context is not capped to the window."""
+    path = random_gemma(tmp_path, family, default_model_dir, **WINDOWED[family])
+    async with serve(path, max_num_batched_tokens=16, max_model_len=None) as client:
+        models = (await client.get("/v1/models")).json()["data"]
+        bodies = await asyncio.gather(*(chat(client, p, max_tokens=12, logprobs=True,
+                                              top_logprobs=3) for p in PROMPTS[:2]))
+        again = await chat(client, PROMPTS[0], max_tokens=12)
+        hits = (await stats(client))["kv_cache"]["prefix_cache_hits"]
+    assert models[0]["max_model_len"] == 2048
+    for prompt, body in zip(PROMPTS[:2], bodies, strict=True):
+        ids = chat_prompt_ids(path, prompt)
+        assert len(ids) > 1.5 * WINDOWED[family]["sliding_window"]
+        assert body["choices"][0]["token_ids"] == hf_greedy(path, ids, 12), prompt
+        check_logprobs(path, ids, body["choices"][0])
+    assert hits > 0 and again["choices"][0]["token_ids"] == bodies[0]["choices"][0]["token_ids"]
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 async def test_gemma_gguf_matches_transformers(family, tmp_path, default_model_dir):
     """llama.cpp's layout (four norms a layer stored plus one, q/k rows not interleaved, the
-    caps and Gemma 3's RoPE scaling as metadata keys, no query_pre_attn_scalar: the head
-    size), float32 tensors: transformers on the original weights is the oracle."""
+    window, caps and Gemma 3's RoPE scaling as metadata keys, no query_pre_attn_scalar: the
+    head size), float32 tensors: transformers on the original weights is the oracle."""
     from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
 
     head_dim = 16 if family == "gemma2" else 32
-    src = random_gemma(tmp_path / "hf", family, default_model_dir, query_pre_attn_scalar=head_dim)
+    src = random_gemma(tmp_path / "hf", family, default_model_dir, query_pre_attn_scalar=head_dim,
+                       **WINDOWED[family])
     gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / f"tiny-{family}.gguf",
                            loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
     config = loader.load_config(loader.gguf_metadata_dir(gguf))
     assert (config.final_logit_softcapping, config.query_pre_attn_scalar) == (3.0, head_dim)
+    assert (config.sliding_window, config.attn_logit_softcapping) == (
+        24, WINDOWED[family].get("attn_logit_softcapping"))
     if family == "gemma3":
         assert config.rope_parameters["full_attention"]["factor"] == 8.0
         assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
