@@ -212,3 +212,37 @@ async def test_gemma_gguf_matches_transformers(family, tmp_path, default_model_d
     assert len(ids) > 16
     assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 8)
     check_logprobs(src, ids, body["choices"][0])
+
+
+def hf_gguf_model(gguf, config):
+    """transformers' own de-quantization of ``gguf`` into its Gemma class, with the config
+    as we read the file (transformers' GGUF config lacks the caps, the scale, the RoPE)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+async def test_gemma_gguf_kept_quantized_matches_transformers(family, tmp_path,
+                                                               default_model_dir):
+    """Q8_0 / Q4_0 / Q4_1 blocks read in place (the tied Q8_0 embedding scaled after its
+    lookup), against transformers' de-quantized reading of the same file."""
+    from tests.gguf_tiny import write_tiny_gguf
+
+    head_dim = 16 if family == "gemma2" else 32
+    src = random_gemma(tmp_path / "hf", family, default_model_dir, query_pre_attn_scalar=head_dim,
+                       **WINDOWED[family])
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / f"q-{family}.gguf",
+                           loader.load_config(src))
+    parallel = ParallelConfig(2, 1) if family == "gemma3" else ParallelConfig()
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
+                     parallel=parallel) as client:
+        body = await chat(client, PROMPTS[3], max_tokens=8)
+    ids = body["prompt_token_ids"]
+    hf = hf_gguf_model(gguf, loader.load_config(loader.gguf_metadata_dir(gguf)))
+    assert hf.config.query_pre_attn_scalar == head_dim  # ours, not transformers' default 256
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert body["choices"][0]["token_ids"] == out[0, len(ids):].tolist()
