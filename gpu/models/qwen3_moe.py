@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from pagedserve.gpu.fused_moe import FusedMoE, select_experts
 from pagedserve.gpu.layer_ops import LayerOps
-from pagedserve.gpu.models.llama import LlamaMLP
+from pagedserve.gpu.models.llama import LlamaDecoderLayer, LlamaMLP
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.gpu.parallel.comm import ParallelContext
 
@@ -61,13 +61,16 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
-def qwen3_moe_mlp(config: PretrainedConfig, ops: LayerOps, parallel: ParallelContext | None,
-                  layer_index: int) -> nn.Module:
-    """The experts where ``is_sparse_layer``, else the dense MLP (``llama.llama_mlp``'s
-    arguments; ``config``: this rank's share)."""
-    if is_sparse_layer(config, layer_index):
-        return Qwen3MoeSparseMoeBlock(config, ops, parallel)
-    return LlamaMLP(config, ops, parallel)
+class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer whose feed-forward block is the experts where
+    ``is_sparse_layer``, else the dense MLP (``config``: this rank's share)."""
+
+    @staticmethod
+    def build_mlp(config: PretrainedConfig, ops: LayerOps, parallel: ParallelContext | None,
+                  layer_idx: int) -> nn.Module:
+        if is_sparse_layer(config, layer_idx):
+            return Qwen3MoeSparseMoeBlock(config, ops, parallel)
+        return LlamaMLP(config, ops, parallel)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -75,4 +78,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     The checkpoint's per-expert ``mlp.experts.{e}.{gate,up,down}_proj`` are stacked into the
     grouped weights by ``loader.load_weights`` (``stack_experts``)."""
 
-    mlp_builder = staticmethod(qwen3_moe_mlp)
+    decoder_layer_cls = Qwen3MoeDecoderLayer
