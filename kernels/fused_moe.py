@@ -64,7 +64,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     flat = topk_ids.reshape(-1).long()
     pairs = flat.numel()
     size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the max id back to the host (no graph could capture it)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
