@@ -1,7 +1,7 @@
 """Qwen3-MoE (issue 29's mixture of experts) through the real server: greedy output equal to
-transformers' ``generate`` in float32 for batched, chunked and prefix-cached requests, under
-``-tp 2`` (every expert's intermediate rows split), and from a GGUF file whose 3-D expert
-tensors stay quantized (``gpu/gguf_moe.py``)."""
+transformers' ``generate`` in float32 for batched, chunked and prefix-cached requests, with
+n-gram speculative decoding, under ``-tp 2 -pp 2`` (every expert's intermediate rows split),
+and from a GGUF file whose 3-D expert tensors stay quantized (``gpu/gguf_moe.py``)."""
 
 from __future__ import annotations
 
@@ -76,14 +76,32 @@ async def test_batched_chunked_prefix_cached_greedy_matches_transformers(moe_dir
     assert after > before and again["choices"][0]["token_ids"] == want[1]
 
 
-async def test_tensor_parallel_splits_the_experts(moe_dir):
-    """-tp 2: each rank holds half of every expert's 64 intermediate rows (and half the dense
-    layer's 128), routes with the whole router; one all-reduce per block."""
-    async with serve(moe_dir, parallel=ParallelConfig(2, 1), max_num_batched_tokens=32) as c:
+async def test_tensor_and_pipeline_parallel_split_the_experts(moe_dir):
+    """-tp 2 -pp 2: each rank holds half of every expert's 64 intermediate rows (and half the
+    dense layer's 128) of its stage's layers, routes with the whole router; one all-reduce
+    per block."""
+    async with serve(moe_dir, parallel=ParallelConfig(2, 2), max_num_batched_tokens=32) as c:
+        s = await stats(c)
         bodies = await asyncio.gather(*(chat(c, p, max_tokens=12) for p in PROMPTS[1:]))
+    assert [r["layers"] for r in s["model"]["parallel"]] == [[0, 2], [0, 2], [2, 3], [2, 3]]
     for prompt, body in zip(PROMPTS[1:], bodies, strict=True):
         assert body["choices"][0]["token_ids"] == hf_greedy(
             moe_dir, chat_prompt_ids(moe_dir, prompt), 12), prompt
+
+
+async def test_speculative_decoding_keeps_greedy_output(moe_dir):
+    """n-gram drafts verified by the MoE model: several tokens of one request a step, each
+    routed on its own."""
+    from pagedserve.actors.spec_decode import SpeculativeConfig
+
+    prompt = "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4"
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    async with serve(moe_dir, speculative=spec) as client:
+        body = await chat(client, prompt, max_tokens=24)
+        s = (await stats(client))["scheduler"]
+    assert body["choices"][0]["token_ids"] == hf_greedy(
+        moe_dir, chat_prompt_ids(moe_dir, prompt), 24)
+    assert s["spec_decode_num_draft_tokens"] > 0
 
 
 def _dequantized_hf(gguf, src):
