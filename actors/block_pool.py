@@ -104,6 +104,7 @@ class BlockPool:
         # vLLM reserves block 0 as its null block; ours only aliases block 0's id in the block
         # table (attention with a window never reads there), so it costs no block.
         self.null_block = KVCacheBlock(0, is_null=True)
+        self.max_blocks_in_use = 0  # high-water mark of held blocks (admin stats)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -127,6 +128,8 @@ class BlockPool:
             block.ref_cnt += 1
             if block.ref_cnt == 2:
                 self.num_shared_blocks += 1
+        self.max_blocks_in_use = max(self.max_blocks_in_use,
+                                     self.num_blocks - self.get_num_free_blocks())
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
@@ -165,6 +168,8 @@ class BlockPool:
             self._evict(block)  # LRU: the head is the least recently used cached block
             block.ref_cnt = 1
             out.append(block)
+        self.max_blocks_in_use = max(self.max_blocks_in_use,
+                                     self.num_blocks - self.get_num_free_blocks())
         return out
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:

@@ -186,6 +186,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def num_resident_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (released ones, null placeholders now, not counted)."""
+        return sum(not b.is_null for b in self.req_to_blocks.get(request_id, []))
+
     @property
     def num_shared_blocks(self) -> int:
         """Blocks held by more than one request (shared prefixes, forked beams)."""

@@ -143,7 +143,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     flash-attention-style kernel."""
 
     name = "cpu"
-
     decode = staticmethod(cpu_ops.paged_decode_attention)
 
     @staticmethod
@@ -191,21 +190,19 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         masks = mask_kwargs(sliding_window, logits_soft_cap)
-        if masks:
-            raise NotImplementedError("triton backend: sliding_window / logits_soft_cap")
         key_cache, value_cache = kv_cache
         out = torch.empty_like(query)
         nd, nt = meta.layout.decode_split(self.multi_query_decode)  # nt == nd: one query each
         if nd:
             self._decode(
                 query[:nt], key_cache, value_cache, meta.block_table[:nd], meta.seq_lens[:nd],
-                scale, max_seq_len=meta.max_seq_len, out=out[:nt],
+                scale, max_seq_len=meta.max_seq_len, out=out[:nt], **masks,
             )
         if nd < meta.layout.num_reqs:
             self._prefill(
                 query[nt:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
                 meta.query_start_loc[nd:] - nt, scale, max_query_len=meta.max_query_len,
-                out=out[nt:],
+                out=out[nt:], **masks,
             )
         return out
 
