@@ -86,6 +86,22 @@ async def test_a_message_equals_the_chat_completion(smol):
     assert blocks.content[0].text == block.text
 
 
+async def test_a_last_assistant_turn_is_continued_and_system_turns_fold_in(smol):
+    http, client = smol
+    prefix = "The capital of France is"
+    turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "easy", "signature": "s"},
+        {"type": "text", "text": prefix}]}]
+    m = await client.messages.create(model=SMOL, max_tokens=8, extra_body=GREEDY,
+                                     messages=[{"role": "system", "content": SYSTEM}, *turns])
+    chat = await _chat(http, [{"role": "system", "content": SYSTEM}, turns[0],
+                              {"role": "assistant", "content": prefix}], max_tokens=8,
+                       add_generation_prompt=False, continue_final_message=True)
+    assert m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert "Paris" in m.content[0].text and not m.content[0].text.startswith(prefix)
+    assert m.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
 async def test_max_tokens_cuts_with_its_stop_reason(smol):
     _, client = smol
     m = await client.messages.create(model=SMOL, max_tokens=3, extra_body=GREEDY,
@@ -336,3 +352,20 @@ async def test_the_metrics_count_messages_as_chat_requests(tiny):
     assert after[1] - before[1] == m.usage.input_tokens
     assert after[2] - before[2] == m.usage.output_tokens == 3
     assert (await stats(http))["scheduler"]["num_running"] == 0
+
+
+async def test_openapi_and_docs_list_the_messages_routes(tiny):
+    http, _ = tiny
+    spec = (await http.get("/openapi.json")).json()
+    docs = (await http.get("/docs")).text
+    for path, model in (("/v1/messages", "MessagesRequest"),
+                        ("/v1/messages/count_tokens", "CountTokensRequest")):
+        op = spec["paths"][path]["post"]
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["$ref"] == f"#/components/schemas/{model}"
+        assert op["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"] == \
+            "#/components/schemas/AnthropicErrorResponse"
+        assert f'id="{model}"' in docs and path in docs
+    props = spec["components"]["schemas"]["MessagesRequest"]["properties"]
+    assert {"max_tokens", "system", "stop_sequences", "tools", "tool_choice"} <= set(props)
+    assert "max_tokens" in spec["components"]["schemas"]["MessagesRequest"]["required"]
