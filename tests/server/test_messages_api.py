@@ -52,7 +52,8 @@ async def smol(default_model_dir):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def tiny(tiny_model_dir):
-    async with serve(tiny_model_dir, serving=ServingConfig(TINY_NAME, api_key=KEY)) as http:
+    serving = ServingConfig(TINY_NAME, api_key=KEY, enable_server_load_tracking=True)
+    async with serve(tiny_model_dir, serving=serving) as http:
         http.headers["Authorization"] = f"Bearer {KEY}"  # the admin routes take the bearer
         yield http, _client(http, api_key=KEY)
 
@@ -329,6 +330,8 @@ async def test_leaving_mid_stream_frees_every_block(tiny):
         async for line in r.aiter_lines():
             if line.startswith("data: ") and '"content_block_delta"' in line:
                 break  # one piece of text in: the request is running; leave
+        load = (await http.get("/load")).json()["server_load"]
+    assert load == 1  # counted by /load as a chat request is, while it streams
     idle = await wait_idle(http)
     assert idle["kv_cache"]["num_free_blocks"] == idle["kv_cache"]["num_blocks"]
 
