@@ -193,11 +193,14 @@ async def test_a_tool_round_trip_with_tool_choice_any(smol):
                                                                   "tool_use")
     # The result goes back; the answer is the chat completion of the same history.
     result = "18 degrees and sunny"
-    answer = await client.messages.create(
-        model=SMOL, max_tokens=40, extra_body=GREEDY, tools=[WEATHER], messages=[
-            ask, {"role": "assistant", "content": first.content},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                          "content": result}]}])
+    turn = {"model": SMOL, "max_tokens": 40, "extra_body": GREEDY, "tools": [WEATHER],
+            "messages": [ask, {"role": "assistant", "content": first.content},
+                         {"role": "user", "content": [{"type": "tool_result",
+                                                       "tool_use_id": call.id,
+                                                       "content": result}]}]}
+    answer = await client.messages.create(**turn)  # tool_choice auto: the hermes parser reads
+    async with client.messages.stream(**turn) as stream:
+        streamed_text = "".join([t async for t in stream.text_stream])
     chat = await _chat(http, [
         ask, {"role": "assistant", "content": None, "tool_calls": [{
             "id": call.id, "type": "function",
@@ -207,7 +210,7 @@ async def test_a_tool_round_trip_with_tool_choice_any(smol):
     message = chat["choices"][0]["message"]
     assert not message["tool_calls"] and answer.stop_reason == "end_turn"
     assert [b.type for b in answer.content] == ["text"]
-    assert answer.content[0].text == message["content"] and message["content"]
+    assert answer.content[0].text == message["content"] == streamed_text and streamed_text
     assert answer.usage.input_tokens == chat["usage"]["prompt_tokens"]
 
 
