@@ -2,9 +2,8 @@
 numpy view of the file's bytes until something copies it.
 
 Names are llama.cpp's for llama/mistral/qwen2/qwen3/gemma2/gemma3/qwen3moe (``blk.N.attn_q``
-...;
-transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama`` architecture
-the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its
+...; transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama``
+architecture the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its
 rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2 and gemma files are
 not permuted). Gemma files store their norm weights plus one (``NORM_SHIFT``).
 """
