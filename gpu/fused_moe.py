@@ -61,17 +61,16 @@ def moe_grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens ascending
     counts = torch.bincount(flat_ids, minlength=1).tolist()
     tokens = order // k  # the token of each sorted pair
-    weights = topk_weights.reshape(-1)[order]
-    acc = torch.zeros((t, x.shape[1]), dtype=torch.float32 if x.dtype != torch.float32
-                      else x.dtype, device=x.device)
+    rows = x.index_select(0, tokens)  # [T*k, H]: each expert's rows one contiguous slice
+    outs = torch.empty_like(rows)
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start:start + n]
-        out = expert(e, x.index_select(0, rows))  # [n, H]
-        acc.index_add_(0, rows, out.to(acc.dtype) * weights[start:start + n, None])
-        start += n
+        if n:  # few ops per expert: on a loaded CPU each op's thread barrier costs
+            outs[start:start + n] = expert(e, rows[start:start + n])
+            start += n
+    weighted = outs.float() * topk_weights.reshape(-1)[order, None]
+    acc = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
+    acc.index_add_(0, tokens, weighted)
     return acc.to(x.dtype)
 
 
