@@ -33,6 +33,7 @@ from pagedserve.actors.messages import (
     NotifyWhenIdle,
     ResetPrefixCache,
 )
+from pagedserve.actors.pooling import PoolingOutput, pooling_scheduler_config, run_pooling
 from pagedserve.actors.request import Request, RequestOutput
 from pagedserve.actors.request_stream import (
     GenerateMixin,
@@ -51,6 +52,7 @@ from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
 from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
 
@@ -128,17 +130,17 @@ class AsyncEngine(GenerateMixin):
                 f"max_model_len={info.max_model_len}: raise --kv-cache-memory-bytes / "
                 f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
             )
-        kv = KVCacheManager(
-            info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_caching_hash_algo,
-        )
+        scheduler_config, caching = pooling_scheduler_config(
+            config.scheduler, info, config.cache.enable_prefix_caching)
+        kv = KVCacheManager(info.num_blocks, info.block_size, caching,
+                            config.cache.prefix_caching_hash_algo)
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
         await structured_output.wait_ready()
         stat_loggers: list[StatLogger] = []
         connector = make_scheduler_connector(config.cache.kv_transfer_config, info.block_size)
-        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers,
+        scheduler = Scheduler(scheduler_config, kv, executor, info.max_model_len, stat_loggers,
                               connector)
         executor.start()
         scheduler.start()
@@ -247,6 +249,21 @@ class AsyncEngine(GenerateMixin):
             self.scheduler.send(AbortRequest(request_id))
             raise
         return BeamSearchStream(self.scheduler, request, RequestMetrics(self.stat_loggers))
+
+    async def encode(
+        self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+        priority: int = 0, cache_salt: str | None = None,
+    ) -> PoolingOutput:
+        """Run one pooling request (``--runner pooling``): its prompt's prefill through the
+        scheduler, then its vector (``actors/pooling.py``).
+
+        Raises:
+            ValueError: the model is not served by the pooling runner.
+            EngineOverloaded, DuplicateRequestId: as ``add_request``.
+            EngineShuttingDown, EngineError: the server aborted it, or it failed.
+        """
+        return await run_pooling(self.scheduler, self.info, self.stat_loggers, request_id,
+                                 prompt_token_ids, params, priority, cache_salt)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledConstraint:
         """Compile (or find cached) a guided-decoding constraint before starting a request;

@@ -74,6 +74,8 @@ class RequestUpdate:
         e2e_s: arrival → end, on the last update.
         finished: the whole request's figures, on the last update (vLLM's per-request
             histograms).
+        pooling: a pooling request's one update (``actors/pooling.py``): its prompt and its
+            end, counted apart from generation requests.
     """
 
     num_prompt_tokens: int = 0
@@ -83,6 +85,7 @@ class RequestUpdate:
     finish_reason: str | None = None
     e2e_s: float | None = None
     finished: FinishedRequest | None = None
+    pooling: bool = False
 
 
 @dataclass(slots=True)
