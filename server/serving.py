@@ -87,6 +87,11 @@ class Serving:
 
     # -- shared validation -------------------------------------------------------------------
 
+    def check_generates(self, api: str) -> None:
+        """vLLM's 400 for a generation endpoint on a pooling model (``--runner pooling``)."""
+        if self.engine.info.runner == "pooling":
+            raise OpenAIError(f"The model does not support {api}")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.served_model_name:
             served = ", ".join(f"`{name}`" for name in self.config.served_model_name)
@@ -207,6 +212,7 @@ class Serving:
 
     async def chat(self, request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        self.check_generates("Chat Completions API")
         self.check_model(body.model)
         tools = plan_tools(body, self.auto_tools)
         if tools is not None:
@@ -230,6 +236,7 @@ class Serving:
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
+        self.check_generates("Completions API")
         self.check_model(body.model)
         prompts = [tokenize(p, self.tokenizer, self.vocab_size, body.truncate_prompt_tokens,
                             body.truncation_side, self.max_model_len)
