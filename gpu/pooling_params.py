@@ -14,8 +14,9 @@ import json
 from dataclasses import dataclass
 
 
-class PoolingType(enum.Enum):
-    """Which hidden states of a prompt make its one vector."""
+class PoolingType(str, enum.Enum):
+    """Which hidden states of a prompt make its one vector (a ``str``: settings dump as
+    JSON)."""
 
     LAST = "LAST"  # the last token's: a causal model has seen the whole prompt there
     MEAN = "MEAN"  # the average over every prompt token

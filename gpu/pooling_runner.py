@@ -95,8 +95,8 @@ class PoolingRunner:
     def __init__(self, model: Any, hf_config: Any, pooler_config: PoolerConfig | None,
                  path: Path, block_size: int, device: torch.device):
         pc = pooler_config or PoolerConfig()
-        kind = (pc.pooling_type or sentence_transformers_pooling(path)
-                or model.default_pooling_type)
+        kind = PoolingType(pc.pooling_type or sentence_transformers_pooling(path)
+                           or model.default_pooling_type)
         classifier = getattr(model, "classify", None)
         self.model, self.block_size, self.device = model, block_size, device
         self.pooler = Pooler(kind, classifier)

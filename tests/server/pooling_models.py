@@ -58,7 +58,7 @@ def hf_embeddings(path: Path, texts: list[str], pooling: str, normalize: bool = 
     ``MEAN`` or ``CLS``) and L2-normalised."""
     from transformers import AutoTokenizer
 
-    model = AutoModel.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     out = []
     for prompt in ids if ids is not None else [tok(t)["input_ids"] for t in texts]:

@@ -62,12 +62,16 @@ async def test_smollm2_last_token_embeddings_equal_transformers(default_model_di
         alone = await oai.embeddings.create(model=TINY_NAME, input=TEXTS[1],
                                             encoding_format="float")
         assert_close([alone.data[0].embedding], want[1:2])
-        # Again: the prefix cache holds its blocks now; LAST pooling reads them, same vector.
-        before = (await stats(client))["kv_cache"]["prefix_cache_hits"]
-        again = await oai.embeddings.create(model=TINY_NAME, input=TEXTS[0],
-                                            encoding_format="float")
-        assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
-        assert_close([again.data[0].embedding], want[:1])
+        # Twice: the second reads the first's full blocks from the prefix cache (LAST pooling
+        # takes hits; only the tail is computed) and gets the same vector.
+        long = " ".join(TEXTS * 2)
+        want_long = hf_embeddings(default_model_dir, [long], "LAST")
+        for hits in (False, True):
+            before = (await stats(client))["kv_cache"]["prefix_cache_hits"]
+            again = await oai.embeddings.create(model=TINY_NAME, input=long,
+                                                encoding_format="float")
+            assert ((await stats(client))["kv_cache"]["prefix_cache_hits"] > before) is hits
+            assert_close([again.data[0].embedding], want_long)
         assert batch.usage.prompt_tokens == batch.usage.total_tokens > 20
 
 
