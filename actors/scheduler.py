@@ -75,6 +75,7 @@ class Scheduler(Actor):
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
+        self.num_pooling_finished_total = 0  # pooling requests ended with their vector
         self.spec_decode = SpecDecodeStats()  # speculative decoding's totals
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
@@ -405,6 +406,7 @@ class Scheduler(Actor):
                 self._fail_request(sr.req_id, RuntimeError("the model returned no pooled output"))
             return
         request.first_token_time = time.monotonic()
+        self.num_pooling_finished_total += 1
         self._finish(request, RequestStatus.FINISHED_STOPPED)
         request.output_queue.put_nowait(RequestOutput(
             [], "stop", num_cached_tokens=request.num_cached_tokens, pooled=pooled))

@@ -174,3 +174,21 @@ async def test_errors_as_vllm_gives_them(tiny_model_dir, bert_dir):
         s = await stats(client)
         assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
         assert (await client.post("/v1/embeddings", json={"input": "the cat"})).status_code == 200
+
+
+async def test_pooling_requests_are_counted_apart(bert_dir):
+    """/metrics and /admin/stats count pooling requests apart from generation ones."""
+    async with serve_pooling(bert_dir) as (client, oai):
+        await oai.embeddings.create(model=TINY_NAME, input=TEXTS)
+        s = (await stats(client))["scheduler"]
+        assert s["num_pooling_finished_total"] == 3 and s["num_pooling_running"] == 0
+        text = (await client.get("/metrics")).text
+    assert 'pagedserve:pooling_request_success_total{finished_reason="stop",' in text
+    line = next(x for x in text.splitlines()
+                if x.startswith("pagedserve:pooling_request_success_total")
+                and 'finished_reason="stop"' in x)
+    assert line.endswith(" 3.0")
+    assert "pagedserve:pooling_request_latency_seconds_count" in text
+    gen = [x for x in text.splitlines()
+           if x.startswith("pagedserve:request_success_total") and 'reason="stop"' in x]
+    assert all(x.endswith(" 0.0") for x in gen)
