@@ -316,6 +316,8 @@ class AsyncEngine(GenerateMixin):
         and bytes, on the CPU what the kernels run, ``cpu_isa``: their tier with ``_vnni`` where
         the int8 kernel uses VNNI, ``cpu_ops.isa_level()``) filled in."""
         config = asdict(self.config)
+        # The scheduler's own: a pooling encoder runs whole prompts (actors/pooling.py).
+        config["scheduler"] = asdict(self.scheduler.config)
         config["model"].update(model=self.info.source, dtype=self.info.dtype,
                                device=self.info.device, max_model_len=self.info.max_model_len,
                                quantization=self.info.quantization,
