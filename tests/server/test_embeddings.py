@@ -192,3 +192,31 @@ async def test_pooling_requests_are_counted_apart(bert_dir):
     gen = [x for x in text.splitlines()
            if x.startswith("pagedserve:request_success_total") and 'reason="stop"' in x]
     assert all(x.endswith(" 0.0") for x in gen)
+
+
+def test_cli_serves_the_embedded_gguf_as_an_embedding_model(default_model_dir, tmp_path):
+    """``pagedserve serve --convert embed``: the embedded GGUF, kept quantized (exact
+    products), answers the openai client with transformers' vectors on its de-quantized
+    weights; ``/v1/chat/completions`` gets vLLM's refusal."""
+    import signal
+    import subprocess
+
+    from pagedserve.server.launch import start_server_process
+
+    log = (tmp_path / "server.log").open("w")
+    proc, url = start_server_process(
+        ["--convert", "embed", "--dtype", "float32", "--cpu-linear-mode", "exact",
+         "--max-model-len", "512"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        got = oai.embeddings.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", input=TEXTS)
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    want = hf_embeddings(default_model_dir, TEXTS, "LAST")
+    for d, w in zip(got.data, want, strict=True):
+        torch.testing.assert_close(torch.tensor(d.embedding), w, atol=1e-4, rtol=0)
+    assert chat.status_code == 400
+    assert chat.json()["error"]["message"] == "The model does not support Chat Completions API"
