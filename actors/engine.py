@@ -41,6 +41,7 @@ from pagedserve.actors.request_stream import (
     RequestStream,
 )
 from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.sliding_window import longest_resident_tokens
 from pagedserve.actors.spec_config import SpeculativeConfig
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output import (
@@ -124,16 +125,20 @@ class AsyncEngine(GenerateMixin):
                             info: ModelInfo) -> AsyncEngine:
         tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)
         capacity = info.num_blocks * info.block_size
-        if capacity < info.max_model_len:
+        needed = longest_resident_tokens(info.max_model_len, info.block_size,
+                                         info.kv_sliding_window,
+                                         config.scheduler.max_num_batched_tokens)
+        if capacity < needed:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({info.num_blocks} blocks), fewer than "
-                f"max_model_len={info.max_model_len}: raise --kv-cache-memory-bytes / "
-                f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
+                f"one sequence may hold ({needed}, from max_model_len={info.max_model_len}): "
+                f"raise --kv-cache-memory-bytes / --gpu-memory-utilization / "
+                f"--num-gpu-blocks-override or lower --max-model-len"
             )
         scheduler_config, caching = pooling_scheduler_config(
             config.scheduler, info, config.cache.enable_prefix_caching)
         kv = KVCacheManager(info.num_blocks, info.block_size, caching,
-                            config.cache.prefix_caching_hash_algo)
+                            config.cache.prefix_caching_hash_algo, info.kv_sliding_window)
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
@@ -195,8 +200,11 @@ class AsyncEngine(GenerateMixin):
         Raises:
             EngineOverloaded: the waiting queue is full.
             DuplicateRequestId: a live request has this id.
+            ValueError: the model is served for pooling (``--runner pooling``).
             ValueError: ``grammar`` is not the compile of ``params.structured_outputs``.
         """
+        if self.info.runner == "pooling":  # its steps pool and never sample: it would not end
+            raise ValueError("a pooling model (--runner pooling) does not generate: use encode")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
                           priority=priority, cache_salt=cache_salt,  # params: for a connector
