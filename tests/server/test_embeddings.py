@@ -220,3 +220,20 @@ def test_cli_serves_the_embedded_gguf_as_an_embedding_model(default_model_dir, t
         torch.testing.assert_close(torch.tensor(d.embedding), w, atol=1e-4, rtol=0)
     assert chat.status_code == 400
     assert chat.json()["error"]["message"] == "The model does not support Chat Completions API"
+
+
+async def test_a_client_gone_mid_batch_frees_every_block(tiny_model_dir):
+    """A client that leaves while its 64 inputs are prefilled in 64-token steps: the rest are
+    aborted, every block comes back, and the server serves on."""
+    from tests.conftest import until_stats
+
+    ids = [[(7 * i + j) % 40000 + 100 for j in range(100)] for i in range(64)]
+    async with serve_pooling(tiny_model_dir, convert="embed", max_num_batched_tokens=64) as (
+            client, _):
+        with pytest.raises(httpx.TimeoutException):
+            await client.post("/v1/embeddings", json={"input": ids}, timeout=0.3)
+        s = await until_stats(client, lambda s: s["scheduler"]["num_running"] == 0
+                              and s["scheduler"]["num_waiting"] == 0, "idle")
+        assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+        r = await client.post("/v1/embeddings", json={"input": ids[:2]})
+        assert r.status_code == 200 and len(r.json()["data"]) == 2
