@@ -75,3 +75,32 @@ async def test_embedding_model_scores_by_cosine(bert_dir):
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         r = await client.post("/rerank", json={"query": "a", "documents": "b"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
+BAD_BODIES = {
+    "/v1/embeddings": [{}, {"input": None}, {"input": 5}, {"input": [[]]}, {"input": [-1]},
+                       {"input": [["a"]]}, {"input": "a", "dimensions": "8"},
+                       {"input": "a", "dimensions": 0},
+                       {"input": "a", "truncate_prompt_tokens": -2},
+                       {"input": "a", "truncate_prompt_tokens": 10**6},
+                       {"input": "a", "priority": 3}, {"input": "a", "cache_salt": ""}],
+    "/pooling": [{"input": {}}, {"input": [1.5]}],
+    "/score": [{"text_1": 1, "text_2": "a"}, {"text_1": "a", "text_2": [None]},
+               {"text_1": "a", "text_2": "b", "queries": "c", "documents": "d"}],
+    "/rerank": [{"query": "a"}, {"query": ["a"], "documents": ["b"]},
+                {"query": "a", "documents": ["b"], "top_n": -1},
+                {"query": "a", "documents": [1]}],
+}
+
+
+async def test_bad_bodies_are_4xx_and_leak_nothing(bert_dir):
+    async with serve_pooling(bert_dir) as (client, _):
+        for path, bodies in BAD_BODIES.items():
+            for body in bodies:
+                r = await client.post(path, json=body)
+                assert 400 <= r.status_code < 500, (path, body, r.text)
+                error = r.json()["error"]
+                assert error["code"] == r.status_code and error["message"], (path, body)
+        s = (await client.get("/admin/stats")).json()
+        assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
+        assert s["scheduler"]["num_running"] == s["scheduler"]["num_waiting"] == 0
