@@ -237,3 +237,15 @@ async def test_a_client_gone_mid_batch_frees_every_block(tiny_model_dir):
         assert s["kv_cache"]["num_free_blocks"] == s["kv_cache"]["num_blocks"]
         r = await client.post("/v1/embeddings", json={"input": ids[:2]})
         assert r.status_code == 200 and len(r.json()["data"]) == 2
+
+
+def test_pooling_with_data_parallelism_is_refused_at_start():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "pagedserve")
+    out = subprocess.run([exe, "serve", "--convert", "embed", "-dp", "2"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1
+    assert "not served with data parallelism yet: drop -dp" in out.stderr
