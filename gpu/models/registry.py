@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from pagedserve.gpu.models.gemma2 import Gemma2ForCausalLM
+from pagedserve.gpu.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.gpu.models.sliding_window import config_window
@@ -23,6 +25,16 @@ ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
     "Qwen3ForCausalLM": (Qwen3ForCausalLM, "qwen3"),
     # Llama's layers with q/k/v and gate/up stored fused, our own layout (loader keeps them).
     "Phi3ForCausalLM": (LlamaForCausalLM, "phi3"),
+    "Gemma2ForCausalLM": (Gemma2ForCausalLM, "gemma2"),
+    # Gemma 3's text model (1B, 270M; a GGUF of any size: llama.cpp's file holds the text part).
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, "gemma3_text"),
+}
+# Known architectures refused, with why and what to serve instead.
+_REFUSED = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma 3 with its vision tower (4B and larger checkpoints) is not supported; serve a "
+        "text-only Gemma3ForCausalLM checkpoint (gemma-3-1b, gemma-3-270m) or a GGUF of the "
+        "model (llama.cpp's gemma3 file holds only the text part)"),
 }
 MODEL_TYPES = {model_type: cls for cls, model_type in ARCHITECTURES.values()}
 
@@ -37,8 +49,16 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     Raises:
         UnsupportedArchitecture: neither its ``architectures`` nor its ``model_type`` is
             known (the message names both and the supported architectures), or it needs what
-            is not built yet (partial rotary embeddings: Phi-4-mini).
+            is not built yet (partial rotary embeddings: Phi-4-mini; Gemma 3's vision model;
+            bidirectional attention).
     """
+    for arch in getattr(config, "architectures", None) or ():
+        if arch in _REFUSED:
+            raise UnsupportedArchitecture(f"architecture {arch}: {_REFUSED[arch]}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedArchitecture(
+            "bidirectional attention (use_bidirectional_attention: an embedding model such as "
+            "EmbeddingGemma) is not supported: this server generates text")
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         raise UnsupportedArchitecture(

@@ -85,11 +85,11 @@ def test_max_model_len_follows_each_configs_rules():
 
 def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
+        {"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
     with pytest.raises(loader.ModelLoadError) as e:
         loader.load_config(tmp_path)
     msg = str(e.value)
-    assert "\n" not in msg and "Gemma2ForCausalLM" in msg and "'gemma2'" in msg
+    assert "\n" not in msg and "FalconForCausalLM" in msg and "'falcon'" in msg
     assert "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, " \
         "Qwen3ForCausalLM" in msg
 
