@@ -48,10 +48,6 @@ from pagedserve.kernels import gguf_ops
 
 log = structlog.get_logger(__name__)
 
-_FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": (
-    "attn_output",), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
-
-
 @dataclass(slots=True)
 class GGUFWeights:
     """What a GGUF load left resident: ``quantized`` bytes (file rows and panels), ``float``
@@ -219,7 +215,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
     for i in tqdm(range(len(layers)), desc=f"loading {path.name}", unit="layer", delay=1.0,
                   leave=False):
         layer = layers[i]
-        for target, shorts in _FUSED.items():
+        for target, shorts in gf.layer_linears(f.arch, f.tensors, i).items():
             names = [f"blk.{i}.{s}" for s in shorts]
             biases = ([f"{n}.bias" for n in names]
                       if target == "self_attn.qkv_proj" and qwen_bias else None)

@@ -76,7 +76,7 @@ def _sha256(path: Path) -> str:
 
 
 # Bump when what gguf_metadata_dir writes changes.
-_METADATA_VERSION = "v2"  # v2: rope_freq_factors, head_dim from the tensors
+_METADATA_VERSION = "v3"  # v2: rope_freq_factors, head_dim from the tensors; v3: phi3 RoPE
 
 
 def _file_key(gguf: Path) -> str:
@@ -150,7 +150,7 @@ def convert_gguf(gguf: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        _save_converted(model, tokenizer, tmp)
+        _save_converted(model, tokenizer, tmp, gguf)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -162,7 +162,7 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def _save_converted(model, tokenizer, tmp: Path) -> None:
+def _save_converted(model, tokenizer, tmp: Path, gguf: Path) -> None:
     # save_pretrained refuses GGUF-loaded models: write the de-quantized tensors ourselves.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:

@@ -13,7 +13,6 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
-    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -143,14 +142,6 @@ LLAMA_CLASS_FAMILIES = {
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                     "original_max_position_embeddings": 512}}),
     "mistral-v0.1": (MistralConfig, "MistralForCausalLM", {"sliding_window": 64}),
-    # Phi-3.5's longrope (short and long factors per frequency; only the short range served),
-    # q/k/v and gate/up stored fused in the checkpoint.
-    "phi3.5": (Phi3Config, "Phi3ForCausalLM", {
-        "max_position_embeddings": 256, "original_max_position_embeddings": 64,
-        "sliding_window": None, "rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
-            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
-            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]}}),
     "llama3.2": (LlamaConfig, "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
@@ -189,7 +180,7 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
         models = (await client.get("/v1/models")).json()["data"]
         # vLLM's rules: YaRN's factor times its original length; llama3 states its own; a
         # sliding window we do not apply caps the context (within it attention is full).
-        short = family in ("mistral-v0.1", "phi3.5")  # a 64-token context
+        short = family == "mistral-v0.1"  # a 64-token context
         assert models[0]["max_model_len"] == (64 if short else 2048)
         for prompt in PROMPTS[1:] if not short else PROMPTS[:1]:
             want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
@@ -255,37 +246,3 @@ async def test_a_context_past_an_unapplied_sliding_window_is_refused(tmp_path, d
     with pytest.raises(loader.ModelLoadError, match="sliding window .64 tokens.*--max-model-len 64"):
         async with serve(tmp_path, max_model_len=128):
             pass
-
-
-async def test_fused_checkpoint_tensors_split_over_tensor_parallel_ranks(tmp_path,
-                                                                         default_model_dir):
-    """Phi-3 stores q/k/v and gate/up fused: each tp rank takes its heads' rows of each part."""
-    _family_dir("phi3.5", tmp_path, default_model_dir)
-    async with serve(tmp_path, max_model_len=64, parallel=ParallelConfig(2, 1)) as client:
-        body = await chat(client, PROMPTS[0], max_tokens=16)
-    want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, PROMPTS[0]), 16)
-    assert body["choices"][0]["token_ids"] == want
-
-
-def test_partial_rotary_and_unread_gguf_architectures_are_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-         "partial_rotary_factor": 0.75}))
-    with pytest.raises(loader.ModelLoadError, match="partial_rotary_factor 0.75"):
-        loader.load_config(tmp_path)
-    # A phi3 GGUF (fused attn_qkv, llama.cpp's names) is refused before any tensor is read.
-    import numpy as np
-    from gguf import GGUFWriter
-
-    from pagedserve.gpu import gguf_load
-
-    path = tmp_path / "phi3.gguf"
-    w = GGUFWriter(str(path), "phi3")
-    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((8, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(loader.ModelLoadError, match="GGUF architecture 'phi3' is not read yet"):
-        gguf_load.load_gguf_model(path, Phi3Config(), None, 64, None, torch.device("cpu"),
-                                  torch.float32, None)
