@@ -49,8 +49,8 @@ class RopeStep:
     _rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the step's tokens, ``[T, 1, rotary_dim]`` in ``dtype`` (to broadcast over heads):
-        gathered by the first layer that asks, then reused (every layer asks the same)."""
+        """cos, sin of the step's tokens, ``[T, 1, rotary_dim]`` in ``dtype`` (to broadcast over
+        heads): gathered by the first layer that asks, then reused (every layer asks the same)."""
         if self._rows is None or self._rows[0].dtype != dtype:
             self._rows = (self.cos[self.positions, None].to(dtype),
                           self.sin[self.positions, None].to(dtype))

@@ -133,9 +133,11 @@ async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
 
 
 # Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases,
-# rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512); Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
-# context of 64 so that every frequency band of 16-wide heads is touched); Mistral v0.1's
-# sliding window, which caps the context.
+# rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512);
+# Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original context of 64 so that
+# every frequency band of 16-wide heads is touched); Mistral v0.1's sliding window, which caps
+# the context. Tied embeddings for all (Qwen2.5 0.5-3B, Llama 3.2 1B/3B tie them). Phi-3:
+# ``test_phi3.py``.
 LLAMA_CLASS_FAMILIES = {
     "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"max_position_embeddings": 512,
                 "sliding_window": 16, "use_sliding_window": False,  # Qwen's configs: unused
