@@ -31,7 +31,8 @@ PROMPTS = ["Hi",
 def _longrope(rotary_dim: int) -> dict:
     n = rotary_dim // 2
     return {"rope_type": "longrope", "rope_theta": 1e4,
-            "original_max_position_embeddings": ORIGINAL, "short_factor": [1.0 + 0.3 * i for i in range(n)],
+            "original_max_position_embeddings": ORIGINAL,
+            "short_factor": [1.0 + 0.3 * i for i in range(n)],
             "long_factor": [1.0 + 4.0 * i for i in range(n)]}
 
 
