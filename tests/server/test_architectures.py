@@ -4,6 +4,7 @@ prefix-cache hit included; from safetensors and from GGUF."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -176,18 +177,34 @@ def _family_dir(family: str, path, default_model_dir):
 
 @pytest.mark.parametrize("family", LLAMA_CLASS_FAMILIES)
 async def test_llama_class_families_match_transformers(family, tmp_path, default_model_dir):
+    """Concurrent requests, prompts chunked over 32-token steps, then a prefix-cache hit."""
     _family_dir(family, tmp_path, default_model_dir)
     assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
-    async with serve(tmp_path, max_model_len=None) as client:
+    async with serve(tmp_path, max_model_len=None, max_num_batched_tokens=32) as client:
         models = (await client.get("/v1/models")).json()["data"]
         # vLLM's rules: YaRN's factor times its original length; llama3 states its own; a
         # sliding window we do not apply caps the context (within it attention is full).
         short = family == "mistral-v0.1"  # a 64-token context
         assert models[0]["max_model_len"] == (64 if short else 2048)
-        for prompt in PROMPTS[1:] if not short else PROMPTS[:1]:
-            want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
-            body = await chat(client, prompt, max_tokens=16)
-            assert body["choices"][0]["token_ids"] == want, (family, prompt)
+        prompts = PROMPTS[1:] if not short else PROMPTS[:1]
+        want = [hf_greedy(tmp_path, chat_prompt_ids(tmp_path, p), 16) for p in prompts]
+        bodies = await asyncio.gather(*(chat(client, p, max_tokens=16) for p in prompts))
+        assert [b["choices"][0]["token_ids"] for b in bodies] == want, family
+        before = (await stats(client))["kv_cache"]["prefix_cache_hits"]
+        again = await chat(client, prompts[0], max_tokens=16)
+        assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
+        assert again["choices"][0]["token_ids"] == want[0], family
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3.2"])
+async def test_qwen25_and_llama3_under_tensor_parallel(family, tmp_path, default_model_dir):
+    """-tp 2: Qwen2.5's q/k/v biases split with their heads, Llama 3.x's scaled RoPE tables
+    on each rank, the tied vocabulary-parallel head."""
+    _family_dir(family, tmp_path, default_model_dir)
+    async with serve(tmp_path, parallel=ParallelConfig(2, 1)) as client:
+        body = await chat(client, PROMPTS[1], max_tokens=12)
+    assert body["choices"][0]["token_ids"] == hf_greedy(
+        tmp_path, chat_prompt_ids(tmp_path, PROMPTS[1]), 12)
 
 
 async def test_qwen3_gguf_head_dim_comes_from_the_tensors(tmp_path, default_model_dir):
