@@ -14,6 +14,7 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -81,6 +82,13 @@ def test_max_model_len_follows_each_configs_rules():
     assert derived(max_position_embeddings=131072, rope_parameters={  # Llama 3.1
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192, "rope_theta": 5e5}) == 131072
+    phi35 = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       hidden_size=3072, num_attention_heads=32, rope_parameters={
+                           "rope_type": "longrope", "rope_theta": 1e4,
+                           "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
+    assert registry.derived_max_model_len(phi35) == 131072  # the long factors serve it all
+    phi3_4k = Phi3Config(max_position_embeddings=4096, sliding_window=2047)
+    assert registry.derived_max_model_len(phi3_4k) == 2047  # its window, not applied yet
 
 
 def test_unsupported_architecture_is_refused_in_one_line(tmp_path):

@@ -127,12 +127,12 @@ async def test_longrope_serves_the_whole_context_with_its_long_factors(
     assert got_short != hf_greedy(path, short_prompt, 16)
 
 
-async def test_phi4_mini_shape_under_tensor_parallel(tmp_path, default_model_dir):
-    """-tp 2 (2 of 4 heads, 1 of 2 KV heads per rank): the fused checkpoint tensors split per
-    part, partial rotary and the long factors on every rank."""
+async def test_phi4_mini_shape_under_tensor_and_pipeline_parallel(tmp_path, default_model_dir):
+    """-tp 2 -pp 2 (2 of 4 heads, 1 of 2 KV heads per rank, one layer per stage): the fused
+    checkpoint tensors split per part, partial rotary and the long factors on every rank."""
     path = phi3_dir("phi4-mini", tmp_path, default_model_dir)
     long_prompt = random_prompt(3, ORIGINAL + 8)
-    async with serve(path, max_model_len=None, parallel=ParallelConfig(2, 1),
+    async with serve(path, max_model_len=None, parallel=ParallelConfig(2, 2),
                      max_num_batched_tokens=64) as client:
         got_long = await completion_ids(client, long_prompt, 12)
         body = await chat(client, PROMPTS[1], max_tokens=12)
