@@ -191,3 +191,27 @@ async def test_phi3_gguf_kept_quantized_matches_transformers_reading_of_the_file
             body = await chat(client, PROMPTS[1], max_tokens=12)
         assert s["model"]["quantization"] == "gguf"
         assert body["choices"][0]["token_ids"] == want, parallel
+
+
+async def test_preemption_and_speculative_decoding_keep_the_long_context_output(
+        tmp_path, default_model_dir):
+    """Phi-4-mini's shape past its original context: requests preempted (27 blocks for four
+    ~11-block requests: their KV recomputed with the same long factors) and n-gram drafts
+    verified several positions a step, each equal to transformers'."""
+    from pagedserve.actors.spec_decode import SpeculativeConfig
+
+    path = phi3_dir("phi4-mini", tmp_path, default_model_dir)
+    prompts = [random_prompt(10 + i, ORIGINAL + 7) for i in range(4)]
+    wants = [hf_greedy(path, p, 40) for p in prompts]
+    async with serve(path, max_model_len=320, num_blocks=27) as client:  # > 128: long
+        got = await asyncio.gather(*(completion_ids(client, p, 40) for p in prompts))
+        s = await stats(client)
+    assert got == wants
+    assert s["scheduler"]["num_preempted_total"] > 0
+    repeat = random_prompt(20, 12) * 12  # 144 tokens, past the original 128
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)
+    async with serve(path, max_model_len=None, speculative=spec) as client:
+        got = await completion_ids(client, repeat, 24)
+        s = (await stats(client))["scheduler"]
+    assert got == hf_greedy(path, repeat, 24)
+    assert s["spec_decode_num_draft_tokens"] > 0
