@@ -3,8 +3,9 @@ numpy view of the file's bytes until something copies it.
 
 Names are llama.cpp's for llama/mistral/qwen2/qwen3/gemma2/gemma3/phi3 (``blk.N.attn_q`` ...;
 transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama``
-architecture the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its rotary layout,
-transformers' ``LlamaTensorProcessor`` reverses it; qwen2 and phi3 files are not permuted).
+architecture the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes
+them for its rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2 and
+phi3 files are not permuted).
 A ``phi3`` file keeps the checkpoint's fusions: ``attn_qkv`` (q, k, v rows) and ``ffn_up``
 (gate then up rows), and its longrope factors as ``rope_factors_long`` / ``rope_factors_short``
 tensors (``phi3_config_fields``).

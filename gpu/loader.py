@@ -109,7 +109,7 @@ def gguf_metadata_dir(gguf: Path) -> Path:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     for key, value in gguf_file.config_from_file(gguf, config).items():
-        setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
+        setattr(config, key, value)  # rope_freq_factors: read by rope.rope_inv_freq
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
@@ -173,7 +173,7 @@ def _save_converted(gguf: Path, model, tokenizer, tmp: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     for key, value in gguf_file.config_from_file(gguf, config).items():
-        setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
+        setattr(config, key, value)  # rope_freq_factors: read by rope.rope_inv_freq
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)

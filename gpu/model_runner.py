@@ -32,7 +32,8 @@ from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models import registry
-from pagedserve.gpu.models.llama import LlamaForCausalLM, longrope_factors
+from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.models.rope import longrope_factors
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext

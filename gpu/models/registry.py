@@ -24,7 +24,7 @@ ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
     "Qwen2ForCausalLM": (LlamaForCausalLM, "qwen2"),
     "Qwen3ForCausalLM": (Qwen3ForCausalLM, "qwen3"),
     # Phi-3 / 3.5 / Phi-4-mini: Llama's layers with q/k/v and gate/up stored fused, our own
-    # layout (the loader keeps them); longrope and partial rotary in ``llama.rope_inv_freq``.
+    # layout (the loader keeps them); longrope and partial rotary in ``rope.rope_inv_freq``.
     "Phi3ForCausalLM": (LlamaForCausalLM, "phi3"),
     "Gemma2ForCausalLM": (Gemma2ForCausalLM, "gemma2"),
     # Gemma 3's text model (1B, 270M; a GGUF of any size: llama.cpp's file holds the text part).
@@ -84,7 +84,7 @@ def derived_max_model_len(config: PretrainedConfig) -> int:
     vLLM's ``_get_and_verify_max_len`` (``vllm/config/model.py``) derives it. A Qwen2.5
     config with YaRN factor 4 over 32768 positions gives 131072; ``longrope`` (Phi-3 128k,
     Phi-3.5, Phi-4-mini) and ``llama3`` configs state the extended length already (131072;
-    the long factors serve past the original length: ``llama.longrope_factors``). Capped to
+    the long factors serve past the original length: ``rope.longrope_factors``). Capped to
     a sliding window (``unhonoured_sliding_window``)."""
     lengths = [v for k in _CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)]
     derived = min(lengths) if lengths else 2048

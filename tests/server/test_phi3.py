@@ -4,7 +4,7 @@ chunked and prefix-cached, under ``-tp 2``, and from GGUF files in llama.cpp's l
 
 What sets the family apart, each in a tiny random config: q/k/v and gate/up stored fused;
 ``longrope`` with short and long factors (the long ones once the context passes the original
-length: ``llama.longrope_factors``); partial rotary (Phi-4-mini's 0.75 of each head).
+length: ``rope.longrope_factors``); partial rotary (Phi-4-mini's 0.75 of each head).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from transformers import AutoTokenizer, GenerationConfig, Phi3Config
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
-from pagedserve.gpu.models.llama import LlamaForCausalLM, longrope_factors
+from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.models.rope import longrope_factors
 from tests.conftest import chat, chat_prompt_ids, hf_gguf_greedy, hf_greedy, serve, stats
 
 ORIGINAL, LONG = 128, 512  # the longrope configs' original and extended contexts
