@@ -4,11 +4,11 @@ numpy view of the file's bytes until something copies it.
 Names are llama.cpp's for llama/mistral/qwen2/qwen3/gemma2/gemma3/phi3 (``blk.N.attn_q`` ...;
 transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama``
 architecture the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes
-them for its rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2 and
-phi3 files are not permuted).
-A ``phi3`` file keeps the checkpoint's fusions: ``attn_qkv`` (q, k, v rows) and ``ffn_up``
-(gate then up rows), and its longrope factors as ``rope_factors_long`` / ``rope_factors_short``
-tensors (``phi3_config_fields``).
+them for its rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2, gemma
+and phi3 files are not permuted). Gemma files store their norm weights plus one
+(``NORM_SHIFT``). A ``phi3`` file keeps the checkpoint's fusions: ``attn_qkv`` (q, k, v rows)
+and ``ffn_up`` (gate then up rows), and its longrope factors as ``rope_factors_long`` /
+``rope_factors_short`` tensors (``phi3_config_fields``).
 """
 
 from __future__ import annotations
@@ -273,10 +273,12 @@ def gemma_config(path: Path, config: dict) -> dict:
     ``final_logit_softcapping``; absent: the config's defaults), ``query_pre_attn_scalar``
     (llama.cpp's rule by layer count), and Gemma 3's global RoPE scaling
     (``rope.scaling.type`` / ``factor``) and local base (``rope.freq_base_swa``, else
-    llama.cpp's 10000)."""
+    llama.cpp's 10000); and ``<end_of_turn>`` as an EOS id beside the file's EOS (an
+    instruction-tuned Gemma ends its turn with it: llama.cpp counts it as end of generation,
+    Google's generation config lists it)."""
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    meta, _ = read_gguf_metadata(str(path))
+    meta, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens",))
     arch = meta.get("general.architecture", "")
     fields = {}
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -296,6 +298,9 @@ def gemma_config(path: Path, config: dict) -> dict:
         local = rope.setdefault("sliding_attention", {"rope_type": "default"})
         local["rope_theta"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
         fields["rope_parameters"] = rope
+    tokens, eos = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.eos_token_id")
+    if "<end_of_turn>" in tokens and eos is not None:
+        fields["eos_token_id"] = sorted({int(eos), tokens.index("<end_of_turn>")})
     return fields
 
 

@@ -107,3 +107,26 @@ def test_prefill_chunks_match_reference(dtype, tol, heads, kv_heads, head_size, 
                                           sliding_window=window, logits_soft_cap=cap)
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_8bit_caches_with_window_and_cap(isa, dtype):
+    """--kv-cache-dtype int8/fp8 caches read through the same windowed, capped paths."""
+    from tests.kernels.test_kv_quant import D, H, NB, filled_caches
+
+    torch.manual_seed(2)
+    kc, vc = filled_caches(dtype, torch.float32)
+    bt = torch.arange(NB, dtype=torch.int32).view(4, 5)
+    sl = torch.tensor([70, 1, 33, 80], dtype=torch.int32)
+    kw = {"sliding_window": 20, "logits_soft_cap": 3.0}
+    q = torch.randn(4, H, D)
+    want = reference.paged_decode_attention(q, kc, vc, bt, sl, 0.125, **kw)
+    got = cpu_ops.paged_decode_attention(q, kc, vc, bt, sl, 0.125, **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if not cpu_ops.prefill_supported(D):
+        return
+    qsl = torch.tensor([0, 10, 11, 20, 50], dtype=torch.int32)
+    qp = torch.randn(50, H, D)
+    want = reference.paged_prefill_attention(qp, kc, vc, bt, sl, qsl, 0.125, **kw)
+    got = cpu_ops.paged_prefill_attention(qp, kc, vc, bt, sl, qsl, 0.125, **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

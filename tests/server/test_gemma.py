@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Gemma2Config, Gemma3TextConfig, GenerationConfig
 
+from pagedserve.actors.spec_decode import SpeculativeConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
@@ -134,8 +135,10 @@ async def test_gemma_matches_transformers(gemma_dir):
 
 async def test_gemma_tensor_parallel_matches_transformers(gemma_dir):
     """-tp 2: each rank its two heads (q/k norms with the whole weights), vocabulary-parallel
-    scaled embeddings, logits gathered before the cap."""
-    async with serve(gemma_dir, parallel=ParallelConfig(2, 1),
+    scaled embeddings, logits gathered before the cap; Gemma 3 also over 2 pipeline stages
+    (the global layer on the second, its layer type by its global index)."""
+    pp = 2 if loader.load_config(gemma_dir).model_type == "gemma3_text" else 1
+    async with serve(gemma_dir, parallel=ParallelConfig(2, pp),
                      max_num_batched_tokens=32) as client:
         body = await chat(client, PROMPTS[0], max_tokens=8, logprobs=True, top_logprobs=3)
     ids = chat_prompt_ids(gemma_dir, PROMPTS[0])
@@ -182,6 +185,19 @@ async def test_gemma_sliding_window_and_soft_cap_match_transformers(family, tmp_
         assert body["choices"][0]["token_ids"] == hf_greedy(path, ids, 12), prompt
         check_logprobs(path, ids, body["choices"][0])
     assert hits > 0 and again["choices"][0]["token_ids"] == bodies[0]["choices"][0]["token_ids"]
+
+
+async def test_gemma_speculative_decoding_keeps_greedy_output(tmp_path, default_model_dir):
+    """n-gram drafts verified by windowed, soft-capped Gemma 2 attention (several queries a
+    sequence in one decode step, each with its own window)."""
+    path = random_gemma(tmp_path, "gemma2", default_model_dir, **WINDOWED["gemma2"])
+    prompt = "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4"
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    async with serve(path, speculative=spec) as client:
+        body = await chat(client, prompt, max_tokens=24)
+        s = (await stats(client))["scheduler"]
+    assert body["choices"][0]["token_ids"] == hf_greedy(path, chat_prompt_ids(path, prompt), 24)
+    assert s["spec_decode_num_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

@@ -126,9 +126,11 @@ async def test_qwen2_per_layer_windows_mask_without_releasing(tmp_path, default_
     assert kv["max_blocks_in_use"] >= -(-(len(ids) + 23) // BLOCK)  # all kept
 
 
-async def test_tensor_parallel_and_speculative_decoding_keep_outputs(mistral_dir):
-    """-tp 2 (each rank its heads, the same released blocks) and n-gram drafts (several
-    windowed queries per sequence in one step) past the window."""
+async def test_parallel_and_speculative_decoding_keep_outputs(mistral_dir):
+    """-tp 2 (each rank its heads, the same released blocks), -pp 2 (each stage its layers'
+    windows), n-gram drafts (several windowed queries per sequence in one step) and async
+    scheduling (blocks released by the tokens known computed, not those in flight) past the
+    window."""
     from pagedserve.actors.spec_decode import SpeculativeConfig
     from pagedserve.gpu.config import ParallelConfig
 
@@ -136,7 +138,8 @@ async def test_tensor_parallel_and_speculative_decoding_keep_outputs(mistral_dir
     ids = chat_prompt_ids(mistral_dir, prompt)
     want = hf_greedy(mistral_dir, ids, 32)
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
-    for kw in ({"parallel": ParallelConfig(2, 1)}, {"speculative": spec}):
+    for kw in ({"parallel": ParallelConfig(2, 1)}, {"parallel": ParallelConfig(1, 2)},
+               {"speculative": spec}, {"async_scheduling": True}):
         async with serve(mistral_dir, max_num_batched_tokens=32, block_size=BLOCK,
                          **kw) as client:
             body = await chat(client, prompt, max_tokens=32, ignore_eos=True)
