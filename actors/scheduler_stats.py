@@ -66,6 +66,9 @@ def snapshot(self: Scheduler) -> StatsSnapshot:
         max_batches_in_flight=self.inflight.max_batches_in_flight,
         num_scheduled_ahead_total=self.inflight.num_scheduled_ahead_total,
         kv_transfer=self.transfer.snapshot() if self.transfer is not None else None,
+        num_pooling_running=sum(r.pooling_params is not None for r in self.running),
+        num_pooling_waiting=sum(r.pooling_params is not None for r in self.waiting),
+        num_pooling_finished_total=self.num_pooling_finished_total,
     )
     pool = self.kv.block_pool
     kv = KVCacheStats(

@@ -115,6 +115,9 @@ class StepPlanner:
             look = (Lookup(*self.kv.get_computed_blocks(request)) if self.transfer is None
                     else self.transfer.lookup(request))
             n = 0 if look.load_async else min(request.num_tokens - look.num_computed, budget)
+            whole = request.num_tokens - look.num_computed
+            if not self.config.enable_chunked_prefill and n < whole:
+                break  # the prompt runs whole or waits for a step with room for it
             if self.kv.allocate_slots(request, look.num_external + n, look.hits,
                                       delay_cache=look.num_external > 0) is None:
                 break
@@ -164,4 +167,5 @@ class StepPlanner:
             sampling_params=request.sampling_params,
             sample=start + n == request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
+            pooling_params=request.pooling_params,
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.gpu.kv_connector.base import KVTransferConfig
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
+from pagedserve.gpu.pooling_params import PoolerConfig, parse_pooler_config
 
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
@@ -82,6 +83,23 @@ class ModelConfig:
     })
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly, no CUDA graphs for decode steps",
+    })
+    runner: str = field(default="auto", metadata={
+        "help": "generate: text generation; pooling: embeddings and scores (/v1/embeddings, "
+                "/pooling, /score, /rerank; prefill only); auto = pooling for BertModel / "
+                "BertForSequenceClassification checkpoints or with --convert, else generate",
+        "choices": ("auto", "generate", "pooling"),
+    })
+    convert: str = field(default="auto", metadata={
+        "help": "embed: serve a decoder (Llama, Qwen...) as an embedding model (final hidden "
+                "states, last-token pooling unless --pooler-config says otherwise); implies "
+                "--runner pooling",
+        "choices": ("auto", "none", "embed"),
+    })
+    pooler_config: PoolerConfig | None = field(default=None, metadata={
+        "help": 'pooling as JSON (vLLM\'s keys), e.g. \'{"pooling_type": "MEAN", "normalize": '
+                'true, "dimensions": 256}\' (pooling_type: LAST, MEAN or CLS)',
+        "parse": parse_pooler_config, "default_text": "the model's",
     })
 
 
