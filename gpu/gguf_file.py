@@ -1,19 +1,23 @@
 """A GGUF file opened in place: gguf-py's ``GGUFReader`` memory-maps it, so a tensor is a
 numpy view of the file's bytes until something copies it.
 
-Names are llama.cpp's for llama/mistral/qwen2/qwen3/gemma2/gemma3/qwen3moe (``blk.N.attn_q``
-...; transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama``
-architecture the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its
-rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2 and gemma files are
-not permuted). Gemma files store their norm weights plus one (``NORM_SHIFT``).
+Names are llama.cpp's for llama/mistral/qwen2/qwen3/gemma2/gemma3/phi3/qwen3moe (``blk.N.attn_q`` ...;
+transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama``
+architecture the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes
+them for its rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2, gemma
+and phi3 files are not permuted). Gemma files store their norm weights plus one
+(``NORM_SHIFT``). A ``phi3`` file keeps the checkpoint's fusions: ``attn_qkv`` (q, k, v rows)
+and ``ffn_up`` (gate then up rows), and its longrope factors as ``rope_factors_long`` /
+``rope_factors_short`` tensors (``phi3_config_fields``).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,8 +40,10 @@ GEMMA_LAYER_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm":
                      "post_ffw_norm": "post_feedforward_layernorm"}
 # Norms over each head of q and k (Qwen3), after ``model.layers.{i}.self_attn.``.
 HEAD_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+# phi3's own: one tensor per fused module (``stacked_parts`` splits it for the ranks).
+PHI3_TENSORS = {"attn_qkv": ("self_attn.qkv_proj", 0, 1), "ffn_up": ("mlp.gate_up_proj", 0, 1)}
 # The ``general.architecture``s whose tensors these names cover.
-READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe")
+READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
 # A mixture of experts' tensors (after ``blk.{i}.``): the router, ``[E, H]`` rows (usually
 # F32), and the experts stacked on a leading axis (``gguf_moe.py``).
 MOE_ROUTER = "ffn_gate_inp"
@@ -49,16 +55,34 @@ NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 PERMUTED_ARCHS = {"llama", "mistral"}
 
 
+def layer_tensors(arch: str) -> dict[str, tuple[str, int, int]]:
+    """``LAYER_TENSORS`` as architecture ``arch`` names them (phi3: ``attn_qkv`` and a fused
+    ``ffn_up``; its separate ``attn_q/k/v``, which llama.cpp also reads, stay)."""
+    return {**LAYER_TENSORS, **PHI3_TENSORS} if arch == "phi3" else LAYER_TENSORS
+
+
+def layer_linears(arch: str, tensors: dict, i: int) -> dict[str, tuple[str, ...]]:
+    """Layer ``i``'s linear modules (after ``model.layers.{i}.``) and the GGUF tensors (after
+    ``blk.{i}.``) that make each, in fusion order."""
+    fused = f"blk.{i}.attn_qkv.weight" in tensors
+    return {"self_attn.qkv_proj": ("attn_qkv",) if fused else ("attn_q", "attn_k", "attn_v"),
+            "self_attn.o_proj": ("attn_output",),
+            "mlp.gate_up_proj": ("ffn_up",) if arch == "phi3" else ("ffn_gate", "ffn_up"),
+            "mlp.down_proj": ("ffn_down",)}
+
+
 @dataclass(slots=True)
 class GGUFFile:
     """``tensors``: gguf-py's ``ReaderTensor``s by name; ``tensor_bytes``: their bytes in the
-    file (what "weights resident" is measured against)."""
+    file (what "weights resident" is measured against); ``metadata``: the scalar metadata
+    values by key (strings, numbers, booleans; no arrays: the vocabulary is not read)."""
 
     path: Path
     reader: object
     arch: str
     tensors: dict
     tensor_bytes: int
+    metadata: dict = field(default_factory=dict)
 
     def release_pages(self) -> None:
         """Drop the mapping's pages from this process's resident set (``MADV_DONTNEED``): the
@@ -78,29 +102,33 @@ def open_gguf(path: Path) -> GGUFFile:
     Raises ``ValueError`` (from gguf-py) for a file that is not GGUF.
     """
     try:
-        arch, tensors, data = _read_index(path)
+        arch, tensors, data, metadata = _read_index(path)
         reader = SimpleNamespace(data=data)
     except (ValueError, struct.error, OSError):
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType
 
         reader = GGUFReader(str(path))
-        field = reader.fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+        metadata = {k: f.contents() for k, f in reader.fields.items()  # GGUF.*: the header's
+                    if f.types and f.types[0] != GGUFValueType.ARRAY and not k.startswith("GGUF.")}
+        arch = metadata.get("general.architecture", "")
         tensors = {t.name: t for t in reader.tensors}
-    return GGUFFile(path, reader, arch, tensors, sum(int(t.n_bytes) for t in tensors.values()))
+    return GGUFFile(path, reader, arch, tensors, sum(int(t.n_bytes) for t in tensors.values()),
+                    metadata)
 
 
 # GGUF metadata value types (gguf-py's GGUFValueType) -> bytes of one scalar; 8: string, 9: array.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
 _ITEM_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
 def _read_index(path: Path):
-    """(architecture, ``{name: gguf.ReaderTensor}``, the file's ``np.memmap``) from a
-    little-endian GGUF v2/v3 header (llama.cpp's ``gguf.h`` layout), skipping every metadata
-    value but ``general.architecture`` and ``general.alignment``. The tensors' ``data`` are views
-    of the mapping shaped as ``GGUFReader`` shapes them (bytes for block types).
+    """(architecture, ``{name: gguf.ReaderTensor}``, the file's ``np.memmap``, the scalar
+    metadata ``{key: value}``) from a little-endian GGUF v2/v3 header (llama.cpp's ``gguf.h``
+    layout), skipping every array (the vocabulary). The tensors' ``data`` are views of the
+    mapping shaped as ``GGUFReader`` shapes them (bytes for block types).
 
     Raises:
         ValueError: not such a file (the caller falls back to ``GGUFReader``).
@@ -113,7 +141,7 @@ def _read_index(path: Path):
     if bytes(buf[:4]) != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
         raise ValueError(f"{path}: not a little-endian GGUF v2/v3 file")
     n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-    pos, arch, alignment = 24, "", 32
+    pos, metadata = 24, {}
 
     def string(at: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", buf, at)
@@ -138,13 +166,15 @@ def _read_index(path: Path):
         key, pos = string(pos)
         (vtype,) = struct.unpack_from("<I", buf, pos)
         pos += 4
-        if key == "general.architecture" and vtype == 8:
-            arch, pos = string(pos)
-        elif key == "general.alignment" and vtype == 4:
-            (alignment,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
+        if vtype == 8:
+            metadata[key], pos = string(pos)
+        elif vtype in _SCALAR_FORMATS:
+            (metadata[key],) = struct.unpack_from(_SCALAR_FORMATS[vtype], buf, pos)
+            pos += _SCALAR_BYTES[vtype]
         else:
             pos = skip(vtype, pos)
+    arch, alignment = metadata.get("general.architecture", ""), metadata.get(
+        "general.alignment", 32)
     infos = []
     for _ in range(n_tensors):
         name, pos = string(pos)
@@ -171,7 +201,7 @@ def _read_index(path: Path):
         tensors[name] = ReaderTensor(name=name, tensor_type=qtype,
                                      shape=np.array(dims, dtype=np.uint64), n_elements=n_elems,
                                      n_bytes=n_bytes, data_offset=at, data=view, field=None)
-    return arch, tensors, data
+    return arch, tensors, data, metadata
 
 
 def layer_norms(arch: str) -> dict[str, str]:
@@ -236,10 +266,13 @@ def dequantized(t, dtype: torch.dtype) -> torch.Tensor:
 
 def config_from_file(path: Path, config: PretrainedConfig) -> dict:
     """What transformers' GGUF config misses and the file says, as config fields: its
-    tensors' (``config_from_tensors``) and, for Gemma, its metadata's (``gemma_config``)."""
+    tensors' (``config_from_tensors``) and, for Gemma and Phi-3, its metadata's
+    (``gemma_config``, ``phi3_config_fields``)."""
     fields = config_from_tensors(path, config)
     if config.model_type in ("gemma2", "gemma3_text"):
         fields.update(gemma_config(path, {**config.to_dict(), **fields}))
+    if config.model_type == "phi3":
+        fields.update(phi3_config_fields(open_gguf(path), config))
     return fields
 
 
@@ -309,4 +342,43 @@ def config_from_tensors(path: Path, config: PretrainedConfig) -> dict:
     exps = f.tensors.get(f"blk.0.{MOE_EXPERTS[0]}.weight")
     if exps is not None and len(exps.shape) == 3:
         fields["moe_intermediate_size"] = int(exps.shape[1])
+    return fields
+
+
+def phi3_config_fields(f: GGUFFile, config: PretrainedConfig) -> dict:
+    """A ``phi3`` file's RoPE and window as Phi3Config fields (transformers' GGUF mapping reads
+    none of them), from the keys and tensors llama.cpp's ``convert_hf_to_gguf.py`` writes:
+
+    - ``original_max_position_embeddings``: ``phi3.rope.scaling.original_context_length``;
+    - ``partial_rotary_factor``: ``phi3.rope.dimension_count`` over the head size
+      (Phi-4-mini: 96 of 128);
+    - ``rope_parameters``: ``longrope`` with ``rope_factors_long`` / ``rope_factors_short``
+      when the file has them, and ``phi3.rope.scaling.attn_factor`` as ``attention_factor``
+      where it is not the one transformers derives from the lengths;
+    - ``sliding_window``: ``phi3.attention.sliding_window`` (0, Phi-4's: none).
+    """
+    meta = f.metadata
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", float(meta.get("phi3.rope.freq_base", 10000.0)))
+    fields: dict = {"sliding_window": int(meta.get("phi3.attention.sliding_window", 0)) or None}
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    if original is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    dims = meta.get("phi3.rope.dimension_count")
+    if dims is not None and int(dims) != head:
+        fields["partial_rotary_factor"] = params["partial_rotary_factor"] = int(dims) / head
+    long, short = f.tensors.get("rope_factors_long.weight"), f.tensors.get(
+        "rope_factors_short.weight")
+    if long is not None and short is not None and original is not None:
+        params.update(rope_type="longrope", original_max_position_embeddings=int(original),
+                      long_factor=dequantized(long, torch.float32).tolist(),
+                      short_factor=dequantized(short, torch.float32).tolist())
+        params.pop("type", None)
+        attn = meta.get("phi3.rope.scaling.attn_factor")
+        scale = config.max_position_embeddings / int(original)
+        derived = math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0
+        if attn is not None and abs(attn - derived) > 1e-5 * derived:
+            params["attention_factor"] = float(attn)
+    fields["rope_parameters"] = params
     return fields

@@ -53,10 +53,6 @@ from pagedserve.kernels import gguf_ops
 
 log = structlog.get_logger(__name__)
 
-_FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": (
-    "attn_output",), "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
-
-
 @dataclass(slots=True)
 class GGUFWeights:
     """What a GGUF load left resident: ``quantized`` bytes (file rows and panels), ``float``
@@ -265,7 +261,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
             _check_shape(f"layer {i} router", layer.mlp.gate, nn.Linear(
                 config.hidden_size, config.num_experts, device="meta"))
             layer.mlp.experts = b.experts(i, layer.mlp.experts)
-        for target, shorts in _FUSED.items():
+        for target, shorts in gf.layer_linears(f.arch, f.tensors, i).items():
             if moe and target.startswith("mlp."):
                 continue
             names = [f"blk.{i}.{s}" for s in shorts]

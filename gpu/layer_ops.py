@@ -21,9 +21,14 @@ from pagedserve.kernels import cpu_ops
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[T, H, D]``; cos, sin ``[T, 1, D]``, ``sin`` carrying rotate_half's sign (see
-    ``gpu.models.llama.RotaryEmbedding``)."""
-    half = x.shape[-1] // 2
+    """x: ``[T, H, D]``; cos, sin ``[T, 1, R]``, ``sin`` carrying rotate_half's sign (see
+    ``gpu.models.llama.RotaryEmbedding``). The first ``R`` elements of each head turn; with
+    ``R < D`` (partial rotary) the rest pass unchanged, as transformers' ``apply_rotary_pos_emb``
+    and vLLM's ``rotary_dim`` do."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+    half = rd // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * sin
 
@@ -34,8 +39,8 @@ class RopeStep:
 
     Attributes:
         positions: ``[T]`` int64 position of each token.
-        cos, sin: the model's float32 tables ``[max_positions, D]``, ``sin`` carrying
-            rotate_half's sign (``gpu.models.llama.RotaryEmbedding``).
+        cos, sin: the model's float32 tables ``[max_positions, rotary_dim]``, ``sin``
+            carrying rotate_half's sign (``gpu.models.llama.RotaryEmbedding``).
     """
 
     positions: torch.Tensor
@@ -44,8 +49,8 @@ class RopeStep:
     _rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the step's tokens, ``[T, 1, D]`` in ``dtype`` (to broadcast over heads):
-        gathered by the first layer that asks, then reused (every layer asks the same)."""
+        """cos, sin of the step's tokens, ``[T, 1, rotary_dim]`` in ``dtype`` (to broadcast over
+        heads): gathered by the first layer that asks, then reused (every layer asks the same)."""
         if self._rows is None or self._rows[0].dtype != dtype:
             self._rows = (self.cos[self.positions, None].to(dtype),
                           self.sin[self.positions, None].to(dtype))

@@ -77,7 +77,9 @@ def _sha256(path: Path) -> str:
 
 
 # Bump when what gguf_metadata_dir writes changes.
-_METADATA_VERSION = "v4"  # v2: rope_freq_factors, head_dim; v3: Gemma's; v4: moe_intermediate_size
+_METADATA_VERSION = "v5"  # v2: rope_freq_factors, head_dim from the tensors; v3: Gemma's;
+# v4: phi3 RoPE (longrope factors, partial rotary, original context) and moe_intermediate_size
+# (two branches took v4 at once: v5 so neither's cached folder is read by the other)
 
 
 def _file_key(gguf: Path) -> str:
@@ -109,7 +111,7 @@ def gguf_metadata_dir(gguf: Path) -> Path:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     for key, value in gguf_file.config_from_file(gguf, config).items():
-        setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
+        setattr(config, key, value)  # rope_freq_factors: read by rope.rope_inv_freq
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
@@ -173,7 +175,7 @@ def _save_converted(gguf: Path, model, tokenizer, tmp: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     for key, value in gguf_file.config_from_file(gguf, config).items():
-        setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
+        setattr(config, key, value)  # rope_freq_factors: read by rope.rope_inv_freq
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)

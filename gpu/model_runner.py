@@ -34,6 +34,7 @@ from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.adapters import CausalLMForEmbedding
 from pagedserve.gpu.models.llama import LlamaForCausalLM
+from pagedserve.gpu.models.rope import longrope_factors
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
@@ -170,12 +171,8 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len} is longer than the model's sliding "
                 f"window ({window} tokens), which pagedserve's attention does not apply yet: "
                 f"use --max-model-len {window} or less (outputs are exact within it)")
-        short = registry.short_rope_limit(self.hf_config)
-        if short is not None and self.max_model_len > short:
-            raise loader.ModelLoadError(
-                f"--max-model-len {self.max_model_len} is longer than the {short} tokens of "
-                f"the model's short longrope factors; its long factors are not supported yet: "
-                f"use --max-model-len {short} or less")
+        if (factors := longrope_factors(self.hf_config, self.max_model_len)) is not None:
+            log.info("longrope_factors", factors=factors, max_model_len=self.max_model_len)
         self.attn_backend = get_attention_backend(self.device, self.dtype)
         kv_cache.check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype,
                                       self.attn_backend)

@@ -88,7 +88,7 @@ def bind(lib: ctypes.CDLL) -> None:
         "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32, i64, i64, f32],
         "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
         "silu_and_mul": [ptr] * 2 + [i64] * 2,
-        "rotary": [ptr] * 4 + [i64] * 4,
+        "rotary": [ptr] * 4 + [i64] * 5,  # + rotary_dim
         "reshape_and_cache": [ptr] * 5 + [i64] * 6,  # + head_size, kv_kind
         "gguf_linear": [ptr] * 3 + [i64] * 5,
     }

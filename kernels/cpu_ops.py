@@ -218,8 +218,10 @@ def rotary_embedding(
     Args:
         x: ``[T, >= num_heads * head_size]`` with unit stride in its last dim (e.g. the fused
             qkv projection, rotating q's and k's heads together).
-        positions: ``[T]`` int64. cos, sin: ``[max_positions, head_size]`` float32, sin with
-            rotate_half's sign folded into its first half (``gpu.models.llama.RotaryEmbedding``).
+        positions: ``[T]`` int64. cos, sin: ``[max_positions, rotary_dim]`` float32, sin with
+            rotate_half's sign folded into its first half (``gpu.models.llama.RotaryEmbedding``);
+            ``rotary_dim`` (their width, even, at most ``head_size``) leading elements of each
+            head turn, the rest pass unchanged (partial rotary, vLLM's ``rotary_dim``).
     Source: Su et al., "RoFormer" (2021).
     """
     fn = _kernel("rotary", x.dtype)
@@ -228,8 +230,12 @@ def rotary_embedding(
     positions = positions.to(torch.int64).contiguous()
     if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("rotary_embedding: cos/sin must be contiguous float32")
+    rotary_dim = cos.shape[1]
+    if rotary_dim > head_size or rotary_dim % 2:
+        raise ValueError(f"rotary_embedding: tables of width {rotary_dim} for heads of "
+                         f"{head_size}: the width must be even and at most the head size")
     fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
-       num_heads, head_size, x.stride(0))
+       num_heads, head_size, rotary_dim, x.stride(0))
 
 
 def reshape_and_cache(

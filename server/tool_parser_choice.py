@@ -14,7 +14,11 @@ ChatML template: SmolLM2)                      ``hermes``
 ``[TOOL_CALLS]`` (Mistral v0.3, Mixtral)       ``mistral``
 ``<|start_header_id|>`` (Llama 3.x)            ``llama3_json``
 ``<|im_start|>`` (other ChatML models)          ``hermes``
+none of them (Gemma 2/3, Phi-3/3.5/4-mini,
+Mistral v0.1/v0.2)                             none
 ============================================  =============
+
+(``tests/server/test_family_templates.py`` checks each on a template modelled on the family's.)
 
 ``--tool-call-parser`` overrides the choice; ``--disable-tool-parser-detection`` restores
 vLLM's rule (``auto`` needs both flags).

@@ -33,7 +33,16 @@ _LAYER = {
 }
 
 
-LAYER_SHORTS = tuple(short for short, _ in _LAYER.values())
+# A phi3 file keeps the checkpoint's fusions (llama.cpp's converter maps qkv_proj to attn_qkv
+# and gate_up_proj to ffn_up), its rows not interleaved.
+_PHI3_LAYER = {
+    "self_attn.qkv_proj.weight": ("attn_qkv", Q.Q8_0),
+    "self_attn.o_proj.weight": ("attn_output", Q.Q4_0),
+    "mlp.gate_up_proj.weight": ("ffn_up", Q.Q4_1), "mlp.down_proj.weight": ("ffn_down", Q.Q8_0),
+    "input_layernorm.weight": ("attn_norm", None),
+    "post_attention_layernorm.weight": ("ffn_norm", None),
+}
+LAYER_SHORTS = tuple(short for short, _ in [*_LAYER.values(), *_PHI3_LAYER.values()])
 # A mixture of experts' 3-D tensors: GGUF name -> (transformers' per-expert name, type).
 EXPERTS = {"ffn_gate_exps": ("gate_proj", Q.Q8_0), "ffn_up_exps": ("up_proj", Q.Q4_1),
            "ffn_down_exps": ("down_proj", Q.Q4_0)}
@@ -44,7 +53,8 @@ _GEMMA_NORMS = {
     "pre_feedforward_layernorm.weight": "ffn_norm",
     "post_feedforward_layernorm.weight": "post_ffw_norm",
 }
-_ARCHS = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_ARCHS = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3",
+          "phi3": "phi3"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -224,6 +234,26 @@ def _add_experts(add, state: dict, i: int, num_experts: int, types: dict) -> Non
         add(f"blk.{i}.{short}.weight", stacked, types.get(short, qtype))
 
 
+def _phi3_keys(w: GGUFWriter, config, add) -> None:
+    """What llama.cpp's ``convert_hf_to_gguf.py`` (``Phi3MiniModel``) writes of a Phi3
+    config beyond the common keys: the original context, the window (0: none), and for
+    longrope the attention factor and the two factor sets as float32 tensors."""
+    import math
+
+    rope = config.rope_parameters
+    original = rope.get("original_max_position_embeddings",
+                        config.original_max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(config.sliding_window or 0)
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = config.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    add("rope_factors_long.weight", np.array(rope["long_factor"]), None)
+    add("rope_factors_short.weight", np.array(rope["short_factor"]), None)
+
+
 def _add_gemma_keys(w: GGUFWriter, config) -> None:
     """The keys llama.cpp's converter writes for Gemma 2 / 3 beyond Llama's: the window, the
     soft-caps (Gemma 2 both; Gemma 3 the final one when set) and Gemma 3's global RoPE
@@ -249,7 +279,8 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     # A Qwen3 config is written as llama.cpp's ``qwen3`` architecture: q/k not interleaved,
-    # q/k norms, the head size as its own keys; Gemma's as ``gemma2`` / ``gemma3``.
+    # q/k norms, the head size as its own keys; Gemma's as ``gemma2`` / ``gemma3``; a Phi3
+    # one as ``phi3`` (``_phi3_keys``).
     arch = _ARCHS.get(config.model_type, "llama")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     w = GGUFWriter(str(out), arch)
@@ -266,11 +297,11 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
-    w.add_rope_dimension_count(head_dim)
     rope = getattr(config, "rope_parameters", None) or {}
     if arch.startswith("gemma"):
         _add_gemma_keys(w, config)
         rope = rope.get("full_attention", rope)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -297,14 +328,18 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
         base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
         add("rope_freqs.weight", base / scaled.double().numpy(), None)
+    if arch == "phi3":
+        _phi3_keys(w, config, add)
     shift = 1.0 if arch.startswith("gemma") else 0.0
     add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
+    if "lm_head.weight" in state and not config.tie_word_embeddings:
+        add("output.weight", state["lm_head.weight"], embedding)
     add("output_norm.weight", state["model.norm.weight"] + shift, None)
     for i in range(config.num_hidden_layers):
         moe = f"model.layers.{i}.mlp.gate.weight" in state
         if moe:
             _add_experts(add, state, i, config.num_experts, types or {})
-        for suffix, (short, qtype) in _LAYER.items():
+        for suffix, (short, qtype) in (_PHI3_LAYER if arch == "phi3" else _LAYER).items():
             if moe and suffix.startswith("mlp."):
                 continue
             if shift and short in ("attn_norm", "ffn_norm"):

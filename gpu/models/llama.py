@@ -5,7 +5,7 @@ Module and parameter names match transformers' ``LlamaForCausalLM`` so its state
 unchanged. The forward pass takes vLLM V1's flattened batch (all scheduled tokens of all
 requests concatenated, ``[T]``) and computes logits only for the tokens that are sampled.
 
-Sources: Touvron et al., "LLaMA" (2023); RoPE from Su et al., "RoFormer" (2021); layout after
+Sources: Touvron et al., "LLaMA" (2023); RoPE in ``rope.py``; layout after
 gpt-fast's ``model.py`` and vLLM's ``vllm/model_executor/models/llama.py``.
 """
 
@@ -14,11 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
 from pagedserve.gpu.layer_ops import LayerOps, RopeStep, TorchLayerOps
 from pagedserve.gpu.layer_ops import apply_rope as apply_rope  # the reference, for tests
+from pagedserve.gpu.models.rope import (  # re-exported: Gemma 3 and tests import it here
+    RotaryEmbedding as RotaryEmbedding,
+)
 from pagedserve.gpu.models.sliding_window import layer_sliding_windows
 from pagedserve.gpu.parallel.comm import ParallelContext
 from pagedserve.gpu.parallel.layers import PPMissingLayer, VocabParallelEmbedding
@@ -30,75 +32,6 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (key_cache, value_cac
 
 def attention_head_size(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def rope_inv_freq(config: PretrainedConfig, head_size: int,
-                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_size // 2]`` and the cos/sin scaling, per the config's RoPE.
-
-    transformers computes scaled variants (llama3, linear, yarn, ...); the default is ours,
-    divided by the per-frequency ``rope_freq_factors`` a GGUF file of Llama 3.x carries
-    (``gguf_file.rope_freq_factors``; llama.cpp's ``freq_factors``). ``layer_type``: the key of
-    a config whose ``rope_parameters`` are per layer type (Gemma 3's ``sliding_attention`` /
-    ``full_attention``).
-    """
-    params = getattr(config, "rope_parameters", None) or {}
-    if layer_type is not None:
-        params = params[layer_type]
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None) and rope_type in ROPE_INIT_FUNCTIONS:
-        # On the CPU even inside a meta-device build (``build``): llama3's reads values.
-        ambient = torch.empty(0).device
-        kw = {} if layer_type is None else {"layer_type": layer_type}
-        with torch.device("cpu"):
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
-        return inv_freq.float().to(ambient), float(scaling)
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    exponent = torch.arange(0, head_size, 2, dtype=torch.float) / head_size
-    inv_freq = 1.0 / (theta**exponent)
-    factors = getattr(config, "rope_freq_factors", None)  # a Llama 3.x GGUF's (loader)
-    if factors is not None:
-        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
-    return inv_freq, 1.0
-
-
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved (``rotate_half``) RoPE tables: ``cos``, ``sin`` ``[max_positions, D]``
-    float32, read by every layer through the step's ``RopeStep`` (``gpu/layer_ops.py``)."""
-
-    def __init__(self, config: PretrainedConfig, head_size: int, max_positions: int,
-                 layer_type: str | None = None):
-        super().__init__()
-        self.config, self.head_size, self.max_positions = config, head_size, max_positions
-        self.layer_type = layer_type  # of per-layer-type rope_parameters (rope_inv_freq)
-        cos, sin = self._tables()
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scaling = rope_inv_freq(self.config, self.head_size, self.layer_type)
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        # rotate_half's minus sign folded into the first half of sin: bit-identical results,
-        # one negation fewer per q and k per layer (``apply_rope``).
-        sin = emb.sin() * scaling
-        sin[:, : self.head_size // 2] *= -1
-        return emb.cos() * scaling, sin
-
-    def init_tables(self, device: torch.device) -> None:
-        """Compute the tables for real, in float32, on ``device`` (after a model built on the
-        meta device was materialised and cast: ``LlamaForCausalLM.build``)."""
-        with torch.device("cpu"):
-            cos, sin = self._tables()
-        self.cos, self.sin = cos.to(device), sin.to(device)
-
-    def step(self, positions: torch.Tensor) -> RopeStep:
-        """What every layer of a forward pass over tokens at ``positions`` ``[T]`` reads."""
-        return RopeStep(positions, self.cos, self.sin)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin: ``[T, 1, D]`` for broadcasting over heads."""
-        return self.step(positions).rows(dtype)
 
 
 class RMSNorm(nn.Module):

@@ -26,7 +26,8 @@ ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
     "Qwen2ForCausalLM": (LlamaForCausalLM, "qwen2"),
     "Qwen3ForCausalLM": (Qwen3ForCausalLM, "qwen3"),
     "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, "qwen3_moe"),
-    # Llama's layers with q/k/v and gate/up stored fused, our own layout (loader keeps them).
+    # Phi-3 / 3.5 / Phi-4-mini: Llama's layers with q/k/v and gate/up stored fused, our own
+    # layout (the loader keeps them); longrope and partial rotary in ``rope.rope_inv_freq``.
     "Phi3ForCausalLM": (LlamaForCausalLM, "phi3"),
     "Gemma2ForCausalLM": (Gemma2ForCausalLM, "gemma2"),
     # Gemma 3's text model (1B, 270M; a GGUF of any size: llama.cpp's file holds the text part).
@@ -83,8 +84,7 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     Raises:
         UnsupportedArchitecture: neither its ``architectures`` nor its ``model_type`` is
             known (the message names both and the supported architectures), or it needs what
-            is not built yet (partial rotary embeddings: Phi-4-mini; Gemma 3's vision model;
-            bidirectional attention).
+            is not built yet (Gemma 3's vision model; bidirectional attention).
     """
     for arch in getattr(config, "architectures", None) or ():
         if arch in _REFUSED:
@@ -93,10 +93,6 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
         raise UnsupportedArchitecture(
             "bidirectional attention (use_bidirectional_attention: an embedding model such as "
             "EmbeddingGemma) is not supported: this server generates text")
-    partial = getattr(config, "partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedArchitecture(
-            f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported yet")
     encoder = _pooling_architecture(config)
     if encoder is not None:
         return POOLING_ARCHITECTURES[encoder]  # type: ignore[return-value]
@@ -123,8 +119,10 @@ def derived_max_model_len(config: PretrainedConfig) -> int:
     the config has none), times the RoPE scaling ``factor`` for scalings that extend it
     (``linear``, ``dynamic``, ``yarn``: from its ``original_max_position_embeddings``), as
     vLLM's ``_get_and_verify_max_len`` (``vllm/config/model.py``) derives it. A Qwen2.5
-    config with YaRN factor 4 over 32768 positions gives 131072. Capped to a sliding window
-    (``unhonoured_sliding_window``) and to longrope's short range (``short_rope_limit``)."""
+    config with YaRN factor 4 over 32768 positions gives 131072; ``longrope`` (Phi-3 128k,
+    Phi-3.5, Phi-4-mini) and ``llama3`` configs state the extended length already (131072;
+    the long factors serve past the original length: ``rope.longrope_factors``). Capped to
+    a sliding window (``unhonoured_sliding_window``)."""
     lengths = [v for k in _CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)]
     derived = min(lengths) if lengths else 2048
     rope = (getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
@@ -134,21 +132,8 @@ def derived_max_model_len(config: PretrainedConfig) -> int:
         if rope_type == "yarn":
             derived = rope.get("original_max_position_embeddings") or derived
         derived = int(derived * rope["factor"])
-    limits = [derived, unhonoured_sliding_window(config), short_rope_limit(config)]
-    return min(v for v in limits if v is not None)
-
-
-def short_rope_limit(config: PretrainedConfig) -> int | None:
-    """``longrope`` (Phi-3 128k, Phi-3.5) switches from its short to its long factors past
-    ``original_max_position_embeddings`` for the whole sequence, which a KV cache rotated at
-    write time cannot follow: the tables use the short factors and the context stops there
-    (None for any other RoPE)."""
-    rope = (getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
-            or {})
-    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
-        return None
-    return (rope.get("original_max_position_embeddings")
-            or getattr(config, "original_max_position_embeddings", None))
+    window = unhonoured_sliding_window(config)
+    return derived if window is None else min(derived, window)
 
 
 def unhonoured_sliding_window(config: PretrainedConfig) -> int | None:

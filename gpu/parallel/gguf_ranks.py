@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.gpu import linear_bands
-from pagedserve.gpu.gguf_file import LAYER_TENSORS, interleaved_heads, open_gguf
+from pagedserve.gpu.gguf_file import interleaved_heads, layer_tensors, open_gguf
 from pagedserve.gpu.gguf_linear import GGUFLinear, quantized_part, unpermute
 from pagedserve.gpu.parallel.gguf_shard import (
     CopiedBytes,
@@ -30,6 +30,7 @@ from pagedserve.gpu.parallel.gguf_shard import (
     check_gguf_split,
     gguf_part,
     rank_blocks,
+    stacked_parts,
 )
 from pagedserve.gpu.parallel.layout import RankLayout
 from pagedserve.kernels import gguf_ops
@@ -50,11 +51,12 @@ def read_blocks(gguf_file: Path, config: PretrainedConfig, layout: RankLayout | 
     f = open_gguf(gguf_file)
     copied = copied if copied is not None else CopiedBytes()
     groups: dict[str, list] = {}
+    names = layer_tensors(f.arch)
     for name, t in f.tensors.items():
         parts = name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_TENSORS \
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in names \
                 and parts[3] == "weight":
-            target, pos, count = LAYER_TENSORS[parts[2]]
+            target, pos, count = names[parts[2]]
             groups.setdefault(f"model.layers.{parts[1]}.{target}", [None] * count)[pos] = t
     lm_head = f.tensors.get("output.weight") or f.tensors.get("token_embd.weight")
     if lm_head is not None:
@@ -69,6 +71,8 @@ def read_blocks(gguf_file: Path, config: PretrainedConfig, layout: RankLayout | 
         qtype = qtypes.pop()
         reads = [gguf_part(t.data, interleaved_heads(t.name, f.arch, config), unpermute, copied)
                  for t in parts]
+        if len(reads) == 1 and target != "lm_head":  # one tensor, fused (phi3): its parts
+            reads = stacked_parts(reads[0][1], target, config, reads[0][0])
         if layout is None:
             rows = [read(slice(0, n), slice(None)) for n, read in reads]
             blocks[target] = (qtype, torch.cat(rows) if len(rows) > 1 else rows[0])

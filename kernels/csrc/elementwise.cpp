@@ -153,21 +153,23 @@ inline void rotate_head(T* xh, const float* h, const float* c, const float* s, i
 
 // Non-interleaved RoPE in place on the first num_heads heads of each row of x (q then k in
 // a fused qkv row), with rotate_half's sign folded into the first half of sin
-// (gpu/models/llama.py's table). cos/sin: [P, D] float32.
+// (gpu/models/llama.py's table). Only the first rotary_dim elements of each head turn
+// (partial rotary: Phi-4-mini's 96 of 128); the rest pass unchanged. cos/sin: [P, rotary_dim]
+// float32.
 template <typename T>
 void rotary(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t rows,
-            int64_t num_heads, int64_t head_size, int64_t row_stride) {
-#pragma omp parallel if (rows * num_heads * head_size >= kParallelMin)
+            int64_t num_heads, int64_t head_size, int64_t rotary_dim, int64_t row_stride) {
+#pragma omp parallel if (rows * num_heads * rotary_dim >= kParallelMin)
   {
-    std::vector<float> h(head_size);
+    std::vector<float> h(rotary_dim);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* c = cos + positions[r] * head_size;
-      const float* s = sin + positions[r] * head_size;
+      const float* c = cos + positions[r] * rotary_dim;
+      const float* s = sin + positions[r] * rotary_dim;
       for (int64_t head = 0; head < num_heads; ++head) {
         T* xh = x + r * row_stride + head * head_size;
-        widen(xh, h.data(), head_size);
-        rotate_head(xh, h.data(), c, s, head_size / 2);
+        widen(xh, h.data(), rotary_dim);
+        rotate_head(xh, h.data(), c, s, rotary_dim / 2);
       }
     }
   }
@@ -191,8 +193,9 @@ extern "C" {
     reshape_and_cache(k, v, kc, vc, slots, n, elems, ks, vs, head_size, kv_kind);               \
   }                                                                                             \
   void rotary_##SUFFIX(T* x, const int64_t* positions, const float* cos, const float* sin,     \
-                       int64_t rows, int64_t num_heads, int64_t head_size, int64_t row_stride) { \
-    rotary(x, positions, cos, sin, rows, num_heads, head_size, row_stride);                     \
+                       int64_t rows, int64_t num_heads, int64_t head_size, int64_t rotary_dim,  \
+                       int64_t row_stride) {                                                    \
+    rotary(x, positions, cos, sin, rows, num_heads, head_size, rotary_dim, row_stride);         \
   }
 
 PAGEDSERVE_ELEMENTWISE(f32, float)

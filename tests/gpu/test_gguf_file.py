@@ -14,10 +14,15 @@ from pagedserve.gpu import loader
 
 
 def _same_as_gguf_py(path) -> None:
-    arch, tensors, _ = gf._read_index(path)
+    from gguf import GGUFValueType
+
+    arch, tensors, _, metadata = gf._read_index(path)
     reader = GGUFReader(str(path))
     field = reader.fields["general.architecture"]
     assert arch == bytes(field.parts[field.data[0]]).decode()
+    scalars = {k: f.contents() for k, f in reader.fields.items()
+               if f.types[0] != GGUFValueType.ARRAY and not k.startswith("GGUF.")}
+    assert metadata == pytest.approx(scalars) and len(scalars) > 5  # floats read as float32
     assert list(tensors) == [t.name for t in reader.tensors]
     for want in reader.tensors:
         got = tensors[want.name]

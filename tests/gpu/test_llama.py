@@ -57,3 +57,34 @@ def test_cpu_kernels_and_torch_ops_agree():
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(want[4], x + residual)  # the residual sum comes back
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+@pytest.mark.parametrize(("max_positions", "positions"), [(128, range(0, 60)),
+                                                          (512, range(130, 190))])
+def test_phi3_rope_equals_transformers(partial, max_positions, positions):
+    """Phi-3.5 / Phi-4-mini RoPE (longrope, partial rotary 0.75) through ``TorchLayerOps``
+    equals transformers' ``Phi3RotaryEmbedding`` + ``apply_rotary_pos_emb``: within the
+    original 128 positions with the short factors, and at 130+ with a 512-position table,
+    where both take the long ones (transformers because the positions pass 128)."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    n = int(16 * partial) // 2
+    config = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, original_max_position_embeddings=128,
+                        partial_rotary_factor=partial, rope_scaling={
+                            "type": "longrope", "short_factor": [1 + 0.2 * i for i in range(n)],
+                            "long_factor": [1 + 3.0 * i for i in range(n)]})
+    pos = torch.tensor(list(positions))
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, len(pos), 16, generator=g)
+    k = torch.randn(1, 2, len(pos), 16, generator=g)
+    cos, sin = Phi3RotaryEmbedding(config)(q, pos[None])
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    qkv = torch.cat([q[0].transpose(0, 1).reshape(len(pos), -1),
+                     k[0].transpose(0, 1).reshape(len(pos), -1), torch.zeros(len(pos), 32)], -1)
+    rope = RotaryEmbedding(config, 16, max_positions).step(pos)
+    got_q, got_k, _ = TorchLayerOps().rotary_qkv(qkv, rope, 4, 2, 16)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)

@@ -146,13 +146,16 @@ def test_silu_and_mul(dtype, tol, rows):
 
 @pytest.mark.parametrize("rows", [6, 1400])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol, rows):
+@pytest.mark.parametrize("partial", [1.0, 0.75])  # 0.75: Phi-4-mini's, 12 of 16 turn
+def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol, rows, partial):
     from transformers import LlamaConfig
 
     from pagedserve.gpu.models.llama import RotaryEmbedding, apply_rope
 
     heads, kv_heads, d = 4, 2, 16
-    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), d, 64)
+    rotary = RotaryEmbedding(LlamaConfig(rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}), d, 64)
+    assert rotary.cos.shape == (64, int(d * partial))
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     positions = torch.tensor([0, 5, 17, 63, 1, 2] * (rows // 6) + [7] * (rows % 6))
@@ -163,6 +166,8 @@ def test_rotary_in_place_on_q_and_k_heads_only(dtype, tol, rows):
     cpu_ops.rotary_embedding(got, positions, rotary.cos, rotary.sin, heads + kv_heads, d)
     torch.testing.assert_close(got.float().view(rows, -1, d), want, atol=tol, rtol=tol)
     assert torch.equal(got[:, -kv_heads * d:], qkv[:, -kv_heads * d:])  # v untouched
+    rd = int(d * partial)  # the unrotated tail of each head passes unchanged
+    assert torch.equal(got.view(rows, -1, d)[..., rd:], qkv.view(rows, -1, d)[..., rd:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,6 +4,7 @@ prefix-cache hit included; from safetensors and from GGUF."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -81,6 +82,13 @@ def test_max_model_len_follows_each_configs_rules():
     assert derived(max_position_embeddings=131072, rope_parameters={  # Llama 3.1
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192, "rope_theta": 5e5}) == 131072
+    phi35 = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       hidden_size=3072, num_attention_heads=32, rope_parameters={
+                           "rope_type": "longrope", "rope_theta": 1e4,
+                           "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
+    assert registry.derived_max_model_len(phi35) == 131072  # the long factors serve it all
+    phi3_4k = Phi3Config(max_position_embeddings=4096, sliding_window=2047)
+    assert registry.derived_max_model_len(phi3_4k) == 4096  # its window is applied
 
 
 def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
@@ -134,23 +142,17 @@ async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
 
 
 # Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases,
-# rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512); Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
-# context of 64 so that every frequency band of 16-wide heads is touched); Mistral v0.1's
-# sliding window, applied (``test_sliding_window.py`` runs prompts past it).
+# rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512);
+# Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original context of 64 so that
+# every frequency band of 16-wide heads is touched); Mistral v0.1's sliding window, applied
+# (``test_sliding_window.py`` runs prompts past it). Tied embeddings for all (Qwen2.5
+# 0.5-3B, Llama 3.2 1B/3B tie them). Phi-3: ``test_phi3.py``.
 LLAMA_CLASS_FAMILIES = {
     "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"max_position_embeddings": 512,
                 "sliding_window": 16, "use_sliding_window": False,  # Qwen's configs: unused
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                     "original_max_position_embeddings": 512}}),
     "mistral-v0.1": (MistralConfig, "MistralForCausalLM", {"sliding_window": 64}),
-    # Phi-3.5's longrope (short and long factors per frequency; only the short range served),
-    # q/k/v and gate/up stored fused in the checkpoint.
-    "phi3.5": (Phi3Config, "Phi3ForCausalLM", {
-        "max_position_embeddings": 256, "original_max_position_embeddings": 64,
-        "sliding_window": None, "rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
-            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
-            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]}}),
     "llama3.2": (LlamaConfig, "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
@@ -183,18 +185,33 @@ def _family_dir(family: str, path, default_model_dir):
 
 @pytest.mark.parametrize("family", LLAMA_CLASS_FAMILIES)
 async def test_llama_class_families_match_transformers(family, tmp_path, default_model_dir):
+    """Concurrent requests, prompts chunked over 32-token steps, then a prefix-cache hit."""
     _family_dir(family, tmp_path, default_model_dir)
     assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
-    async with serve(tmp_path, max_model_len=None) as client:
+    async with serve(tmp_path, max_model_len=None, max_num_batched_tokens=32) as client:
         models = (await client.get("/v1/models")).json()["data"]
         # vLLM's rules: YaRN's factor times its original length; llama3 states its own;
-        # Phi-3.5's short longrope range caps it; Mistral's window does not (it is applied).
-        short = family == "phi3.5"  # a 64-token context
-        assert models[0]["max_model_len"] == (64 if short else 2048)
-        for prompt in PROMPTS[1:] if not short else PROMPTS[:1]:
-            want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
-            body = await chat(client, prompt, max_tokens=16)
-            assert body["choices"][0]["token_ids"] == want, (family, prompt)
+        # Mistral's window does not cap it (it is applied).
+        assert models[0]["max_model_len"] == 2048
+        prompts = PROMPTS[1:]
+        want = [hf_greedy(tmp_path, chat_prompt_ids(tmp_path, p), 16) for p in prompts]
+        bodies = await asyncio.gather(*(chat(client, p, max_tokens=16) for p in prompts))
+        assert [b["choices"][0]["token_ids"] for b in bodies] == want, family
+        before = (await stats(client))["kv_cache"]["prefix_cache_hits"]
+        again = await chat(client, prompts[0], max_tokens=16)
+        assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
+        assert again["choices"][0]["token_ids"] == want[0], family
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3.2"])
+async def test_qwen25_and_llama3_under_tensor_parallel(family, tmp_path, default_model_dir):
+    """-tp 2: Qwen2.5's q/k/v biases split with their heads, Llama 3.x's scaled RoPE tables
+    on each rank, the tied vocabulary-parallel head."""
+    _family_dir(family, tmp_path, default_model_dir)
+    async with serve(tmp_path, parallel=ParallelConfig(2, 1)) as client:
+        body = await chat(client, PROMPTS[1], max_tokens=12)
+    assert body["choices"][0]["token_ids"] == hf_greedy(
+        tmp_path, chat_prompt_ids(tmp_path, PROMPTS[1]), 12)
 
 
 async def test_qwen3_gguf_head_dim_comes_from_the_tensors(tmp_path, default_model_dir):
@@ -263,37 +280,3 @@ async def test_a_context_past_an_unapplied_sliding_window_is_refused(tmp_path, d
     with pytest.raises(loader.ModelLoadError, match="sliding window .64 tokens.*--max-model-len 64"):
         async with serve(tmp_path, max_model_len=128):
             pass
-
-
-async def test_fused_checkpoint_tensors_split_over_tensor_parallel_ranks(tmp_path,
-                                                                         default_model_dir):
-    """Phi-3 stores q/k/v and gate/up fused: each tp rank takes its heads' rows of each part."""
-    _family_dir("phi3.5", tmp_path, default_model_dir)
-    async with serve(tmp_path, max_model_len=64, parallel=ParallelConfig(2, 1)) as client:
-        body = await chat(client, PROMPTS[0], max_tokens=16)
-    want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, PROMPTS[0]), 16)
-    assert body["choices"][0]["token_ids"] == want
-
-
-def test_partial_rotary_and_unread_gguf_architectures_are_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-         "partial_rotary_factor": 0.75}))
-    with pytest.raises(loader.ModelLoadError, match="partial_rotary_factor 0.75"):
-        loader.load_config(tmp_path)
-    # A phi3 GGUF (fused attn_qkv, llama.cpp's names) is refused before any tensor is read.
-    import numpy as np
-    from gguf import GGUFWriter
-
-    from pagedserve.gpu import gguf_load
-
-    path = tmp_path / "phi3.gguf"
-    w = GGUFWriter(str(path), "phi3")
-    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((8, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(loader.ModelLoadError, match="GGUF architecture 'phi3' is not read yet"):
-        gguf_load.load_gguf_model(path, Phi3Config(), None, 64, None, torch.device("cpu"),
-                                  torch.float32, None)
