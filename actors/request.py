@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
@@ -95,6 +96,11 @@ class Request:
     # vLLM's disaggregated prefill/decode fields (``do_remote_decode``, ``remote_block_ids``...):
     # the client's at arrival; at the end, what the KV connector returns for the response.
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def all_token_ids(self) -> list[int]:

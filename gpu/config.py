@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.gpu.kv_connector.base import KVTransferConfig
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
+from pagedserve.gpu.lora.config import LoRAConfig
 
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
@@ -83,6 +84,9 @@ class ModelConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly, no CUDA graphs for decode steps",
     })
+    # --enable-lora's limits (``gpu/lora/config.py``; set from its flags): every rank's
+    # runner wraps its projections with adapter slots. ``None``: no LoRA.
+    lora: LoRAConfig | None = None
 
 
 @dataclass(slots=True)
