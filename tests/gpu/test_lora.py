@@ -116,7 +116,7 @@ async def test_lru_eviction_unload_and_reload(tiny_model_dir, adapters):
     engine = await AsyncEngine.start(_lora_engine_config(tiny_model_dir, max_loras=1,
                                                          max_cpu_loras=2))
     try:
-        for job, w in zip(jobs, want):
+        for job, w in zip(jobs, want, strict=True):
             assert await _run(engine, [job]) == [w]
         # Several adapters at once with one slot: they take turns (the scheduler waits).
         assert await _run(engine, jobs[:3]) == want[:3]
