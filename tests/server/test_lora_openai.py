@@ -40,7 +40,7 @@ async def client(default_model_dir, zephyr, monkeypatch):
     config.model.lora = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=16)
     config.scheduler.max_loras = 2
     engine = await AsyncEngine.start(config)
-    serving = ServingConfig((NAME,), lora_modules=(
+    serving = ServingConfig((NAME,), metrics_prefix="vllm", lora_modules=(
         LoRAModulePath("zephyr-lora", str(zephyr["zephyr-lora"])),
         LoRAModulePath("zephyr-lora2", str(zephyr["zephyr-lora2"]), "custom-parent")))
     try:
@@ -125,3 +125,19 @@ async def test_load_use_unload_and_errors(client, zephyr, default_model_dir):
     r = await _post(client, "load_lora_adapter", {"lora_name": "loaded", "lora_path": path})
     assert r.status_code == 200
     assert await _chat_ids(client, "loaded") == first
+
+
+async def test_lora_requests_info_metric(client):
+    """vLLM's ``vllm:lora_requests_info``: a running adapter request shows in its labels."""
+    stream = await client.chat.completions.create(
+        model="zephyr-lora", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    try:
+        await anext(aiter(stream))  # running now, until the stream closes
+        text = (await client._client.get(str(client.base_url).removesuffix("v1/")
+                                         + "metrics")).text
+    finally:
+        await stream.close()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters="zephyr-lora"' in line, line
+    assert 'waiting_lora_adapters=""' in line
