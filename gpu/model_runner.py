@@ -197,7 +197,7 @@ class ModelRunner:
             shard = None if layout is None else parallel_weights.shard_plan(self.hf_config,
                                                                             layout)
             self.lora = LoRAManager(model, mc.lora, self.hf_config, self.dtype, self.device,
-                                    shard, lora_kernel(self.device))
+                                    shard, lora_kernel(self.device, self.dtype, mc.lora))
         self.model = model.eval()
         self.eos_token_ids = self._eos_token_ids(resolved.path)
         return model_bytes

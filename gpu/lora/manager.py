@@ -27,9 +27,17 @@ _OWNER = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
           "down_proj": "mlp"}
 
 
-def lora_kernel(device: torch.device) -> str:
-    """The delta's implementation, picked once: torch's segmented matmuls (the reference;
-    ``punica.sgmv_add``) until a kernel of ``kernels/lora_ops`` serves the device."""
+def lora_kernel(device: torch.device, model_dtype: torch.dtype, config: LoRAConfig) -> str:
+    """The delta's implementation, picked once (``kernels/lora_ops``): Triton's BGMV on CUDA;
+    on the CPU our C++ BGMV when activations and adapters share float32 or bfloat16 (one
+    pass per row: at decode sizes a few microseconds where torch's per-adapter matmuls cost
+    milliseconds of op overhead); else torch's segmented matmuls (``punica.sgmv_add``)."""
+    from pagedserve.kernels import lora_ops
+
+    if device.type == "cuda":
+        return "triton"
+    if lora_ops.cpu_supported(model_dtype, lora_dtype(config, model_dtype)):
+        return "cpu"
     return "torch"
 
 
@@ -52,6 +60,9 @@ class LoRAManager:
         self.config, self.hf_config, self.plan = config, hf_config, plan
         self.dtype, self.device = lora_dtype(config, dtype), device
         self.holder = LoRAStepHolder(kernel=kernel)
+        log.info("lora_enabled", kernel=kernel, max_loras=config.max_loras,
+                 max_lora_rank=config.max_lora_rank, max_cpu_loras=config.cpu_capacity,
+                 dtype=str(self.dtype).removeprefix("torch."))
         self.layers: dict[tuple[int, str], LoRALinear] = self._wrap(model)
         self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # lora_int_id -> weights
         self.slots: list[int | None] = [None] * config.max_loras  # lora_int_id per slot

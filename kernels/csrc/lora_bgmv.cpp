@@ -1,0 +1,95 @@
+// Batched LoRA deltas for mixed batches, Punica's BGMV (Chen et al., "Punica", 2023; vLLM's
+// csrc/punica and vllm/lora/ops): each token row gathers its own adapter's A and B by slot.
+//
+//   shrink  h[t, j]              = x[t, :] . A[slot[t], j, :]          j < PR (parts x rank)
+//   expand  y[t, y_off + o]     += h[t, h_off : h_off + R] . B[slot[t], o, :]
+//
+// slot -1: no adapter (h row zero, y untouched). x, A, B, y in T (float32 or bfloat16),
+// h float32; every product sums in float32 (vector lanes of simd.h, then a scalar tail).
+// OpenMP over rows x outputs once a step is large enough to pay for waking the threads.
+
+#include <omp.h>
+
+#include <cstdint>
+
+#include "convert.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kParallelMin = 32 * 1024;  // multiply-adds below which one thread runs
+
+template <typename T>
+inline float dot(const T* a, const T* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if PAGEDSERVE_SIMD
+  Vec::F acc = Vec::zero();
+  for (; i + Vec::W <= n; i += Vec::W) acc = Vec::fmadd(Vec::load(a + i), Vec::load(b + i), acc);
+  sum = Vec::reduce_add(acc);
+#endif
+  for (; i < n; ++i) sum += load(a[i]) * load(b[i]);
+  return sum;
+}
+
+template <typename T>
+inline float dot_h(const float* h, const T* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if PAGEDSERVE_SIMD
+  Vec::F acc = Vec::zero();
+  for (; i + Vec::W <= n; i += Vec::W) acc = Vec::fmadd(Vec::load(h + i), Vec::load(b + i), acc);
+  sum = Vec::reduce_add(acc);
+#endif
+  for (; i < n; ++i) sum += h[i] * load(b[i]);
+  return sum;
+}
+
+template <typename T>
+void shrink(float* h, const T* x, const T* a, const int32_t* slots, int64_t rows, int64_t pr,
+            int64_t in) {
+  const bool par = rows * pr * in >= kParallelMin;
+#pragma omp parallel for collapse(2) schedule(static) if (par)
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t j = 0; j < pr; ++j) {
+      const int32_t s = slots[t];
+      h[t * pr + j] = s < 0 ? 0.f : dot(x + t * in, a + (int64_t(s) * pr + j) * in, in);
+    }
+  }
+}
+
+template <typename T>
+void expand(T* y, const float* h, const T* b, const int32_t* slots, int64_t rows, int64_t out,
+            int64_t rank, int64_t h_stride, int64_t h_off, int64_t y_stride, int64_t y_off) {
+  const bool par = rows * out * rank >= kParallelMin;
+#pragma omp parallel for collapse(2) schedule(static) if (par)
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t o = 0; o < out; ++o) {
+      const int32_t s = slots[t];
+      if (s < 0) continue;
+      T* dst = y + t * y_stride + y_off + o;
+      const float d = dot_h(h + t * h_stride + h_off, b + (int64_t(s) * out + o) * rank, rank);
+      store(load(*dst) + d, dst);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define PAGEDSERVE_LORA(SUFFIX, T)                                                             \
+  void lora_shrink_##SUFFIX(float* h, const T* x, const T* a, const int32_t* slots,            \
+                            int64_t rows, int64_t pr, int64_t in) {                            \
+    shrink(h, x, a, slots, rows, pr, in);                                                      \
+  }                                                                                            \
+  void lora_expand_##SUFFIX(T* y, const float* h, const T* b, const int32_t* slots,            \
+                            int64_t rows, int64_t out, int64_t rank, int64_t h_stride,         \
+                            int64_t h_off, int64_t y_stride, int64_t y_off) {                  \
+    expand(y, h, b, slots, rows, out, rank, h_stride, h_off, y_stride, y_off);                 \
+  }
+
+PAGEDSERVE_LORA(f32, float)
+PAGEDSERVE_LORA(bf16, uint16_t)
+
+}  // extern "C"
