@@ -92,6 +92,7 @@ def bind(lib: ctypes.CDLL) -> None:
         "gguf_linear": [ptr] * 3 + [i64] * 5,
         "lora_shrink": [ptr] * 4 + [i64] * 3,
         "lora_expand": [ptr] * 4 + [i64] * 7,
+        "lora_bgmv": [ptr] * 5 + [i64] * 8,
     }
     for name, args in signatures.items():
         for suffix in ("f32", "bf16"):

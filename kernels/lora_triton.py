@@ -1,5 +1,6 @@
 """Punica's BGMV shrink and expand in Triton (``kernels/lora_ops.py`` says the shapes).
 
+``B`` may be a slice of all parts' (``lora_b_cat``): slots step by its ``stride(0)``.
 One program per (token row, block of outputs): it reads its row's slot, and a row without an
 adapter (-1) writes zeros (shrink) or nothing (expand). Products sum in float32.
 """
@@ -30,7 +31,7 @@ def _shrink(h_ptr, x_ptr, a_ptr, slots_ptr, PR, IN, BLOCK_J: tl.constexpr,
 
 
 @triton.jit
-def _expand(y_ptr, h_ptr, b_ptr, slots_ptr, OUT, R, H_STRIDE, H_OFF, Y_STRIDE, Y_OFF,
+def _expand(y_ptr, h_ptr, b_ptr, slots_ptr, OUT, R, B_SLOT, H_STRIDE, H_OFF, Y_STRIDE, Y_OFF,
             BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -38,7 +39,7 @@ def _expand(y_ptr, h_ptr, b_ptr, slots_ptr, OUT, R, H_STRIDE, H_OFF, Y_STRIDE, Y
     slot = tl.load(slots_ptr + t)
     s = tl.maximum(slot, 0).to(tl.int64)
     hr = tl.load(h_ptr + t * H_STRIDE + H_OFF + r, mask=r < R, other=0.0)
-    b = tl.load(b_ptr + (s * OUT + o[:, None]) * R + r[None, :],
+    b = tl.load(b_ptr + s * B_SLOT + o[:, None] * R + r[None, :],
                 mask=(o[:, None] < OUT) & (r[None, :] < R), other=0.0).to(tl.float32)
     delta = tl.sum(b * hr[None, :], axis=1)
     dst = y_ptr + t * Y_STRIDE + Y_OFF + o
@@ -62,7 +63,10 @@ def bgmv_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     start, block_r = 0, triton.next_power_of_2(rank)
     for p, b in enumerate(lora_b):
         out = b.shape[1]
-        _expand[(rows, triton.cdiv(out, 64))](y, h, b, slots, out, rank, pr, p * rank,
+        if b.stride(2) != 1 or b.stride(1) != rank:  # a slot's rows must be contiguous
+            b = b.contiguous()
+        _expand[(rows, triton.cdiv(out, 64))](y, h, b, slots, out, rank, b.stride(0), pr,
+                                              p * rank,
                                               y.stride(0), start, BLOCK_O=64, BLOCK_R=block_r)
         start += out
     return y

@@ -277,6 +277,9 @@ class Serving:
             check_beam_search(body)
             if tools is not None:
                 raise OpenAIError("tools are not supported with use_beam_search", param="tools")
+            if self.loras.get(body.model) is not None:
+                raise OpenAIError("LoRA adapters are not supported with use_beam_search yet: "
+                                  "use the base model or sample without beams", param="model")
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
         watch = DisconnectWatch(request)
         try:

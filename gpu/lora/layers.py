@@ -57,8 +57,11 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.lora_a = torch.zeros(max_loras, len(parts) * max_rank, self.in_features,
                                   dtype=dtype, device=device)
-        self.lora_b = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
-                       for n in parts]
+        # All parts' B in one tensor (the C++ kernel's one call per layer), ``lora_b`` its
+        # per-part slices (the torch and Triton paths').
+        self.lora_b_cat = torch.zeros(max_loras, sum(parts), max_rank, dtype=dtype,
+                                      device=device)
+        self.lora_b = list(self.lora_b_cat.split(parts, dim=1))
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's ``(A [r, in], B [out_p, r])`` per part (``None``: not adapted)
@@ -83,7 +86,7 @@ class LoRALinear(nn.Module):
         from pagedserve.kernels import lora_ops
 
         return lora_ops.bgmv_add(self.holder.kernel, y, x, self.lora_a, self.lora_b,
-                                 step.token_slots)
+                                 step.token_slots, self.lora_b_cat)
 
     def extra_repr(self) -> str:
         return (f"slots={self.lora_a.shape[0]}, max_rank={self.max_rank}, "

@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "convert.h"
 #include "simd.h"
@@ -74,6 +75,31 @@ void expand(T* y, const float* h, const T* b, const int32_t* slots, int64_t rows
   }
 }
 
+// shrink then expand for every part at once: y[t, o] += h[t, part(o) R : ...] . B[s, o, :],
+// part(o) = how many of the part boundaries b1 <= b2 lie at or below o (at most 3 parts:
+// q/k/v, gate/up, or one). One call per linear layer: the Python overhead of a call per part
+// was most of a decode step's LoRA cost.
+template <typename T>
+void bgmv(T* y, const T* x, const T* a, const T* b, const int32_t* slots, int64_t rows,
+          int64_t in, int64_t pr, int64_t out, int64_t rank, int64_t y_stride, int64_t b1,
+          int64_t b2) {
+  std::vector<float> h(rows * pr);
+  shrink(h.data(), x, a, slots, rows, pr, in);
+  const bool par = rows * out * rank >= kParallelMin;
+#pragma omp parallel for collapse(2) schedule(static) if (par)
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t o = 0; o < out; ++o) {
+      const int32_t s = slots[t];
+      if (s < 0) continue;
+      const int64_t part = (o >= b1) + (o >= b2);
+      T* dst = y + t * y_stride + o;
+      const float d = dot_h(h.data() + t * pr + part * rank, b + (int64_t(s) * out + o) * rank,
+                            rank);
+      store(load(*dst) + d, dst);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -87,6 +113,11 @@ extern "C" {
                             int64_t rows, int64_t out, int64_t rank, int64_t h_stride,         \
                             int64_t h_off, int64_t y_stride, int64_t y_off) {                  \
     expand(y, h, b, slots, rows, out, rank, h_stride, h_off, y_stride, y_off);                 \
+  }                                                                                            \
+  void lora_bgmv_##SUFFIX(T* y, const T* x, const T* a, const T* b, const int32_t* slots,      \
+                          int64_t rows, int64_t in, int64_t pr, int64_t out, int64_t rank,     \
+                          int64_t y_stride, int64_t b1, int64_t b2) {                          \
+    bgmv(y, x, a, b, slots, rows, in, pr, out, rank, y_stride, b1, b2);                        \
   }
 
 PAGEDSERVE_LORA(f32, float)

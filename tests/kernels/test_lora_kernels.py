@@ -58,3 +58,15 @@ def test_triton_kernel_equals_reference(dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.15
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=tol)
     assert torch.equal(got[slots < 0], y[slots < 0])
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "triton"])
+def test_one_call_over_parts_sliced_from_one_tensor(kernel):
+    """The layers' layout: every part's B a slice of one ``[L, sum(out_p), R]`` tensor."""
+    device = "cpu" if kernel == "cpu" else KERNEL_DEVICE
+    (y, x, a), b, slots = _case(torch.float32, device)
+    cat = torch.cat(b, dim=1)
+    views = list(cat.split([t.shape[1] for t in b], dim=1))
+    want = punica.bgmv_add(y.clone(), x, a, b, slots)
+    got = lora_ops.bgmv_add(kernel, y.clone(), x, a, views, slots, cat)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
