@@ -21,15 +21,16 @@ from pagedserve.kernels import cpu_ops
 
 def bgmv_add(kernel: str, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
              lora_b: list[torch.Tensor], token_slots: torch.Tensor,
-             lora_b_cat: torch.Tensor | None = None) -> torch.Tensor:
+             lora_bt: torch.Tensor | None = None) -> torch.Tensor:
     """``y`` += every row's LoRA delta. Raises ``ValueError`` for an unknown ``kernel``.
 
-    ``lora_b_cat``: the parts' ``B``s as one ``[L, sum(out_p), R]`` tensor (``lora_b`` are its
-    slices): the C++ kernel then runs the layer in one call.
+    ``lora_bt``: the parts' ``B``s concatenated and transposed per slot, ``[L, R,
+    sum(out_p)]`` contiguous: the C++ kernel then runs the layer in one call, vectorized
+    along the outputs.
     """
     if kernel == "cpu":
-        if lora_b_cat is not None and len(lora_b) <= 3:
-            return _cpu_fused(y, x, lora_a, lora_b, lora_b_cat, token_slots)
+        if lora_bt is not None and len(lora_b) <= 3:
+            return _cpu_fused(y, x, lora_a, lora_b, lora_bt, token_slots)
         return _cpu(y, x, lora_a, lora_b, token_slots)
     if kernel == "triton":
         return _triton(y, x, lora_a, lora_b, token_slots)
@@ -62,7 +63,7 @@ def _cpu(y, x, lora_a, lora_b, token_slots):
     return y
 
 
-def _cpu_fused(y, x, lora_a, lora_b, lora_b_cat, token_slots):
+def _cpu_fused(y, x, lora_a, lora_b, lora_bt, token_slots):
     if x.stride(1) != 1 or x.stride(0) != x.shape[1]:
         x = x.contiguous()
     if y.stride(1) != 1 or token_slots.dtype != torch.int32:
@@ -71,9 +72,9 @@ def _cpu_fused(y, x, lora_a, lora_b, lora_b_cat, token_slots):
     b1 = ends[0] if len(ends) > 1 else y.shape[1]
     b2 = ends[0] + ends[1] if len(ends) > 2 else y.shape[1]
     cpu_ops._kernel("lora_bgmv", x.dtype)(
-        y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_b_cat.data_ptr(),
+        y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), lora_bt.data_ptr(),
         token_slots.data_ptr(), x.shape[0], lora_a.shape[2], lora_a.shape[1],
-        lora_b_cat.shape[1], lora_b_cat.shape[2], y.stride(0), b1, b2)
+        lora_bt.shape[2], lora_bt.shape[1], y.stride(0), b1, b2)
     return y
 
 

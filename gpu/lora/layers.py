@@ -57,11 +57,14 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.lora_a = torch.zeros(max_loras, len(parts) * max_rank, self.in_features,
                                   dtype=dtype, device=device)
-        # All parts' B in one tensor (the C++ kernel's one call per layer), ``lora_b`` its
-        # per-part slices (the torch and Triton paths').
+        # All parts' B in one tensor, ``lora_b`` its per-part slices (torch's and Triton's).
         self.lora_b_cat = torch.zeros(max_loras, sum(parts), max_rank, dtype=dtype,
                                       device=device)
         self.lora_b = list(self.lora_b_cat.split(parts, dim=1))
+        self.lora_bt: torch.Tensor | None = None  # [L, R, sum(parts)]: the C++ kernel's
+        if holder.kernel == "cpu":
+            self.lora_bt = torch.zeros(max_loras, max_rank, sum(parts), dtype=dtype,
+                                       device=device)
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's ``(A [r, in], B [out_p, r])`` per part (``None``: not adapted)
@@ -75,6 +78,8 @@ class LoRALinear(nn.Module):
             r = a.shape[0]
             self.lora_a[slot, p * self.max_rank:p * self.max_rank + r].copy_(a)
             self.lora_b[p][slot, :, :r].copy_(b)
+        if self.lora_bt is not None:
+            self.lora_bt[slot].copy_(self.lora_b_cat[slot].T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -86,7 +91,7 @@ class LoRALinear(nn.Module):
         from pagedserve.kernels import lora_ops
 
         return lora_ops.bgmv_add(self.holder.kernel, y, x, self.lora_a, self.lora_b,
-                                 step.token_slots, self.lora_b_cat)
+                                 step.token_slots, self.lora_bt)
 
     def extra_repr(self) -> str:
         return (f"slots={self.lora_a.shape[0]}, max_rank={self.max_rank}, "

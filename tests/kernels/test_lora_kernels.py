@@ -60,13 +60,17 @@ def test_triton_kernel_equals_reference(dtype):
     assert torch.equal(got[slots < 0], y[slots < 0])
 
 
+@pytest.mark.parametrize("isa", cpu_isa.supported())
 @pytest.mark.parametrize("kernel", ["cpu", "triton"])
-def test_one_call_over_parts_sliced_from_one_tensor(kernel):
-    """The layers' layout: every part's B a slice of one ``[L, sum(out_p), R]`` tensor."""
+def test_one_call_over_parts_sliced_from_one_tensor(kernel, isa):
+    """The layers' layout: every part's B a slice of one ``[L, sum(out_p), R]`` tensor; the
+    C++ kernel's one call per layer reads them transposed, ``[L, R, sum(out_p)]``."""
     device = "cpu" if kernel == "cpu" else KERNEL_DEVICE
     (y, x, a), b, slots = _case(torch.float32, device)
     cat = torch.cat(b, dim=1)
     views = list(cat.split([t.shape[1] for t in b], dim=1))
+    bt = cat.transpose(1, 2).contiguous() if kernel == "cpu" else None
     want = punica.bgmv_add(y.clone(), x, a, b, slots)
-    got = lora_ops.bgmv_add(kernel, y.clone(), x, a, views, slots, cat)
+    with cpu_ops.use_isa(isa):
+        got = lora_ops.bgmv_add(kernel, y.clone(), x, a, views, slots, bt)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
