@@ -157,3 +157,20 @@ async def test_adapter_under_tensor_parallelism(tiny_model_dir, adapters):
         assert await _run(engine, jobs) == want
     finally:
         await engine.shutdown()
+
+
+async def test_torch_reference_path_equals_peft(tiny_model_dir, adapters, monkeypatch):
+    """The torch SGMV path (what runs where no kernel does) in the same mixed, chunked steps."""
+    from pagedserve.gpu import model_runner
+
+    monkeypatch.setattr(model_runner, "lora_kernel", lambda *a: "torch")
+    loras = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
+    prompts = _prompts(2, 7)
+    jobs = [(prompts[0], loras["m16"]), (prompts[1], None), (prompts[1], loras["r4"])]
+    want = _oracle(tiny_model_dir, adapters, jobs)
+    engine = await AsyncEngine.start(_lora_engine_config(tiny_model_dir,
+                                                         max_num_batched_tokens=32))
+    try:
+        assert await _run(engine, jobs) == want
+    finally:
+        await engine.shutdown()
