@@ -23,6 +23,9 @@ class KVCacheBlock:
         block_id: index into the KV cache tensors' first dimension.
         ref_cnt: requests holding the block; 0 means it sits in the free queue.
         block_hash: prefix-cache hash of a full block, else ``None``.
+        is_null: the placeholder that stands in a block table for a block released because
+            every layer's sliding window has passed it (``BlockPool.null_block``): never in
+            the free queue, never counted, never hashed; the kernels never read it.
     """
 
     block_id: int
@@ -30,6 +33,7 @@ class KVCacheBlock:
     block_hash: bytes | None = None
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
+    is_null: bool = False
 
 
 class FreeKVCacheBlockQueue:
@@ -97,6 +101,10 @@ class BlockPool:
         # forked from one parent): kept up to date on every ref-count change, O(1) to read.
         self.num_shared_blocks = 0
         self.kv_events: KVEventPublisher | None = None
+        # vLLM reserves block 0 as its null block; ours only aliases block 0's id in the block
+        # table (attention with a window never reads there), so it costs no block.
+        self.null_block = KVCacheBlock(0, is_null=True)
+        self.max_blocks_in_use = 0  # high-water mark of held blocks (admin stats)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -110,13 +118,18 @@ class BlockPool:
                 self.kv_events.stored(block_hash)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
-        """Take a reference to prefix-cache hits; an unused hit leaves the free queue."""
+        """Take a reference to prefix-cache hits; an unused hit leaves the free queue (the null
+        block is skipped)."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
             if block.ref_cnt == 2:
                 self.num_shared_blocks += 1
+        self.max_blocks_in_use = max(self.max_blocks_in_use,
+                                     self.num_blocks - self.get_num_free_blocks())
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
@@ -155,12 +168,17 @@ class BlockPool:
             self._evict(block)  # LRU: the head is the least recently used cached block
             block.ref_cnt = 1
             out.append(block)
+        self.max_blocks_in_use = max(self.max_blocks_in_use,
+                                     self.num_blocks - self.get_num_free_blocks())
         return out
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks nobody holds go back to the queue, in
-        the order given (callers pass a request's blocks tail first)."""
+        the order given (callers pass a request's blocks tail first). The null block is
+        skipped."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than taken")
             block.ref_cnt -= 1

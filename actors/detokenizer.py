@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
 
     Attributes:
         stop_reason: ``"stop"`` once a stop string matched (the output ends there).
+        stop_string: which stop string matched (vLLM's ``CompletionOutput.stop_reason``).
         num_kept: how many of the last ``update``'s tokens belong to the output: all of them,
             or those up to and including the one that completed a stop string (a verify step
             of speculative decoding can accept tokens past it).
@@ -42,6 +43,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stop_reason: str | None = None
+        self.stop_string: str | None = None
         self.num_kept = 0
 
     def update(self, token_ids: list[int], final: bool) -> str:
@@ -72,6 +74,7 @@ class IncrementalDetokenizer:
         at, stop = min(hits)
         self.text = self.text[: at + len(stop) if self._include_stop else at]
         self.stop_reason = "stop"
+        self.stop_string = stop
         return True
 
     def _holdback(self) -> int:

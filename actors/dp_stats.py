@@ -118,4 +118,7 @@ def _kv_cache(parts: list[KVCacheStats]) -> KVCacheStats:
         prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
         num_shared_blocks=sum(p.num_shared_blocks for p in parts),
         num_copied_blocks_total=sum(p.num_copied_blocks_total for p in parts),
+        sliding_window=parts[0].sliding_window,
+        num_released_blocks_total=sum(p.num_released_blocks_total for p in parts),
+        max_blocks_in_use=sum(p.max_blocks_in_use for p in parts),
     )

@@ -40,6 +40,7 @@ from pagedserve.actors.request_stream import (
     RequestStream,
 )
 from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.sliding_window import longest_resident_tokens
 from pagedserve.actors.spec_config import SpeculativeConfig
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output import (
@@ -123,15 +124,19 @@ class AsyncEngine(GenerateMixin):
                             info: ModelInfo) -> AsyncEngine:
         tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)
         capacity = info.num_blocks * info.block_size
-        if capacity < info.max_model_len:
+        needed = longest_resident_tokens(info.max_model_len, info.block_size,
+                                         info.kv_sliding_window,
+                                         config.scheduler.max_num_batched_tokens)
+        if capacity < needed:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({info.num_blocks} blocks), fewer than "
-                f"max_model_len={info.max_model_len}: raise --kv-cache-memory-bytes / "
-                f"--gpu-memory-utilization / --num-gpu-blocks-override or lower --max-model-len"
+                f"one sequence may hold ({needed}, from max_model_len={info.max_model_len}): "
+                f"raise --kv-cache-memory-bytes / --gpu-memory-utilization / "
+                f"--num-gpu-blocks-override or lower --max-model-len"
             )
         kv = KVCacheManager(
             info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_caching_hash_algo,
+            config.cache.prefix_caching_hash_algo, info.kv_sliding_window,
         )
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(

@@ -18,6 +18,10 @@ about to write while someone else still holds it, the beam's last partial block,
 first (copy-on-write): ``allocate_slots`` takes a fresh block for it, drops its reference to the
 shared one and queues ``(src, dst)`` for the runner, which copies the K/V before the forward
 pass (``take_blocks_to_copy``). Full blocks stay shared for the beams' whole lives.
+
+Sliding windows (``sliding_window``, when every layer of the model has one): blocks a running
+request's attention can no longer reach are released as it goes, and prefix-cache hits follow
+the window's rule (``actors/sliding_window.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from pagedserve.actors.block_pool import BlockPool, KVCacheBlock
 from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
 from pagedserve.actors.request import Request
+from pagedserve.actors.sliding_window import SlidingWindowBlocks
 
 
 class KVCacheManager:
@@ -33,11 +38,13 @@ class KVCacheManager:
     block_size: tokens per block.
     enable_caching: automatic prefix caching on/off.
     hash_algo: ``sha256`` or ``xxhash`` (128-bit).
+    sliding_window: the attention window in tokens when every layer has one (the model's
+        ``kv_sliding_window``), so blocks before it are released; ``None``: all kept.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True,
-        hash_algo: str = "sha256",
+        hash_algo: str = "sha256", sliding_window: int | None = None,
     ):
         if hash_algo not in HASH_FUNCTIONS:
             raise ValueError(f"unknown prefix-caching hash {hash_algo!r}")
@@ -52,6 +59,8 @@ class KVCacheManager:
         # Copy-on-write: ``(src, dst)`` block ids queued for the next step, and the count so far.
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.num_copied_blocks_total = 0
+        self.window = (SlidingWindowBlocks(sliding_window, block_size, self.block_pool)
+                       if sliding_window is not None else None)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -71,6 +80,9 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.window is not None:
+            hits = self.window.longest_hit(request.block_hashes[:max_blocks])
+            return hits, len(hits) * self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -97,6 +109,8 @@ class KVCacheManager:
         """
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if self.window is not None:  # before counting: what it releases is free for this step
+            self.window.release_passed(blocks, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         needed = self.num_blocks_needed(total) - len(blocks) - len(hits)
@@ -104,7 +118,7 @@ class KVCacheManager:
         shared = [i for i in range(num_computed // self.block_size, len(blocks))
                   if blocks[i].ref_cnt > 1]
         # Hits nobody holds sit in the free queue: taking them uses up free blocks too.
-        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
         if (max(needed, 0) + evictable_hits + len(shared)
                 > self.block_pool.get_num_free_blocks()):
             if not blocks:
@@ -147,7 +161,7 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int):
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         for block, block_hash in zip(blocks[:num_full], request.block_hashes[:num_full]):
-            if block.block_hash is None:
+            if block.block_hash is None and not block.is_null:
                 self.block_pool.cache_full_block(block, block_hash)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -172,6 +186,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_resident_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (released ones, null placeholders now, not counted)."""
+        return sum(not b.is_null for b in self.req_to_blocks.get(request_id, []))
 
     @property
     def num_shared_blocks(self) -> int:

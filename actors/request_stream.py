@@ -48,6 +48,8 @@ class GenerationDelta:
             after the first.
         num_cached_tokens: on the first delta, prompt tokens found in the prefix cache.
         kv_transfer_params: on the last delta, the KV connector's reply (vLLM's fields).
+        stop_reason: on the last delta, the stop string that ended the output (vLLM's
+            ``CompletionOutput.stop_reason``; ``None`` for EOS, a stop token or a length).
     """
 
     text: str
@@ -59,6 +61,7 @@ class GenerationDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    stop_reason: str | None = None
 
 
 class StreamState(enum.Enum):
@@ -182,7 +185,8 @@ class RequestStream:
         return GenerationDelta(text, token_ids, finish, self._request.num_prompt_tokens,
                                self._num_output, logprobs, out.prompt_logprobs,
                                out.num_cached_tokens, self._request.kv_transfer_params
-                               if out.finish_reason is not None else None)
+                               if out.finish_reason is not None else None,
+                               self._detok.stop_string)
 
     def close(self) -> None:
         """Stop reading: a live request is aborted and its blocks freed."""

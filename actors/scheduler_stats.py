@@ -50,7 +50,7 @@ def record_step(self: Scheduler, so: SchedulerOutput, out: ModelRunnerOutput, st
 def snapshot(self: Scheduler) -> StatsSnapshot:
     """The ``GetStats`` reply, built in the actor's own task from plain values."""
     now = time.monotonic()
-    rows = [RequestStats.of(r, len(self.kv.get_block_ids(r.request_id)), now)
+    rows = [RequestStats.of(r, self.kv.num_resident_blocks(r.request_id), now)
             for r in (*self.running, *self.waiting)]
     sched = SchedulerStats(
         num_running=len(self.running), num_waiting=len(self.waiting),
@@ -78,6 +78,9 @@ def snapshot(self: Scheduler) -> StatsSnapshot:
         num_cached_blocks=self.kv.num_cached_blocks, usage=pool.get_usage(),
         num_shared_blocks=self.kv.num_shared_blocks,
         num_copied_blocks_total=self.kv.num_copied_blocks_total,
+        sliding_window=self.kv.window.sliding_window if self.kv.window else None,
+        num_released_blocks_total=self.kv.window.num_released_total if self.kv.window else 0,
+        max_blocks_in_use=pool.max_blocks_in_use,
         prefix_cache_queries=self.kv.prefix_cache_queries,
         prefix_cache_hits=self.kv.prefix_cache_hits,
     )

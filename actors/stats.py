@@ -312,6 +312,10 @@ class KVCacheStats:
             requests share, beams of one beam search).
         num_copied_blocks_total: copy-on-write copies since start (a beam that diverged
             copied its last partial block).
+        sliding_window: the window in tokens past which running requests' blocks are
+            released (every layer has one), else None.
+        num_released_blocks_total: blocks so released since start.
+        max_blocks_in_use: the most blocks held at once since start.
     """
 
     block_size: int
@@ -323,6 +327,9 @@ class KVCacheStats:
     prefix_cache_hits: int
     num_shared_blocks: int = 0
     num_copied_blocks_total: int = 0
+    sliding_window: int | None = None
+    num_released_blocks_total: int = 0
+    max_blocks_in_use: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -66,8 +66,26 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...
+
+
+def mask_kwargs(sliding_window: int | None, logits_soft_cap: float | None) -> dict:
+    """The kernels' keyword arguments for a layer's window and soft cap (semantics:
+    ``kernels.reference.paged_decode_attention``): empty when both are ``None``, so a layer
+    without them calls the kernels exactly as before.
+
+    Raises:
+        ValueError: a window below 1 or a cap that is not positive.
+    """
+    if sliding_window is None and logits_soft_cap is None:
+        return {}
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+    return {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
 
 
 class TorchAttentionBackend:
@@ -89,17 +107,21 @@ class TorchAttentionBackend:
 
     def forward(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """``[T, num_heads, head_size]`` queries → attention output of the same shape.
 
         The first sequences go to ``decode``: the decodes, and with ``multi_query_decode`` the
-        decodes with drafts too; the rest are prefill chunks.
+        decodes with drafts too; the rest are prefill chunks. ``sliding_window`` and
+        ``logits_soft_cap``: as ``kernels.reference.paged_decode_attention`` (``None``: off).
         """
         key_cache, value_cache = kv_cache
         nd, nt = meta.layout.decode_split(self.multi_query_decode)
+        masks = mask_kwargs(sliding_window, logits_soft_cap)
         # Several queries per sequence: the kernel needs their offsets.
         extra = {"query_start_loc": meta.query_start_loc[: nd + 1]} if nt > nd else {}
+        extra.update(masks)
         if nd == meta.layout.num_reqs:
             return self.decode(query, key_cache, value_cache, meta.block_table, meta.seq_lens,
                                scale, **extra)
@@ -109,7 +131,7 @@ class TorchAttentionBackend:
                                    meta.seq_lens[:nd], scale, **extra)
         out[nt:] = self.prefill(
             query[nt:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
-            meta.query_start_loc[nd:] - nt, scale,
+            meta.query_start_loc[nd:] - nt, scale, **masks,
         )
         return out
 
@@ -124,12 +146,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     decode = staticmethod(cpu_ops.paged_decode_attention)
 
     @staticmethod
-    def prefill(query: torch.Tensor, *args) -> torch.Tensor:
+    def prefill(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """Our flash-style kernel where it is built for this head size (faster than torch's
         SDPA per sequence: ``loadtest/RESULTS.md``), else the reference."""
         if cpu_ops.prefill_supported(query.shape[2]):
-            return cpu_ops.paged_prefill_attention(query, *args)
-        return reference.paged_prefill_attention(query, *args)
+            return cpu_ops.paged_prefill_attention(query, *args, **kwargs)
+        return reference.paged_prefill_attention(query, *args, **kwargs)
 
     multi_query_decode = True  # decodes with drafts go through the kernel, not the prefill path
     reshape_and_cache = staticmethod(cpu_ops.reshape_and_cache)
@@ -164,21 +186,23 @@ class TritonAttentionBackend:
 
     def forward(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        masks = mask_kwargs(sliding_window, logits_soft_cap)
         key_cache, value_cache = kv_cache
         out = torch.empty_like(query)
         nd, nt = meta.layout.decode_split(self.multi_query_decode)  # nt == nd: one query each
         if nd:
             self._decode(
                 query[:nt], key_cache, value_cache, meta.block_table[:nd], meta.seq_lens[:nd],
-                scale, max_seq_len=meta.max_seq_len, out=out[:nt],
+                scale, max_seq_len=meta.max_seq_len, out=out[:nt], **masks,
             )
         if nd < meta.layout.num_reqs:
             self._prefill(
                 query[nt:], key_cache, value_cache, meta.block_table[nd:], meta.seq_lens[nd:],
                 meta.query_start_loc[nd:] - nt, scale, max_query_len=meta.max_query_len,
-                out=out[nt:],
+                out=out[nt:], **masks,
             )
         return out
 

@@ -1,10 +1,11 @@
 """A GGUF file opened in place: gguf-py's ``GGUFReader`` memory-maps it, so a tensor is a
 numpy view of the file's bytes until something copies it.
 
-Names are llama.cpp's for llama/mistral/qwen2/qwen3 (``blk.N.attn_q`` ...; transformers'
-``integrations/ggml.py`` maps them the same way); for the ``llama`` architecture the q/k rows
-are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its rotary layout,
-transformers' ``LlamaTensorProcessor`` reverses it; qwen2 files are not permuted).
+Names are llama.cpp's for llama/mistral/qwen2/qwen3/gemma2/gemma3 (``blk.N.attn_q`` ...;
+transformers' ``integrations/ggml.py`` maps them the same way); for the ``llama`` architecture
+the q/k rows are interleaved (llama.cpp's ``convert_hf_to_gguf.py`` permutes them for its
+rotary layout, transformers' ``LlamaTensorProcessor`` reverses it; qwen2 and gemma files are
+not permuted). Gemma files store their norm weights plus one (``NORM_SHIFT``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,17 @@ LAYER_TENSORS = {
     "ffn_down": ("mlp.down_proj", 0, 1),
 }
 LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# Gemma's four norms per layer (llama.cpp's ``ffn_norm`` is its norm before the MLP there).
+GEMMA_LAYER_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm":
+                     "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 # Norms over each head of q and k (Qwen3), after ``model.layers.{i}.self_attn.``.
 HEAD_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
 # The ``general.architecture``s whose tensors these names cover.
-READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+READ_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+# llama.cpp's converter stores Gemma's zero-centred norm weights plus one (the ``1 + w`` its
+# kernels then skip); our Gemma norms take transformers' form, so the one comes off on load.
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 # llama.cpp interleaves the rows of q and k for these architectures (its rotary layout).
 PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -162,6 +170,11 @@ def _read_index(path: Path):
     return arch, tensors, data
 
 
+def layer_norms(arch: str) -> dict[str, str]:
+    """GGUF norm name (after ``blk.{i}.``) -> our module (after ``model.layers.{i}.``)."""
+    return GEMMA_LAYER_NORMS if arch in ("gemma2", "gemma3") else LAYER_NORMS
+
+
 def interleaved_heads(name: str, arch: str, config: PretrainedConfig) -> int:
     """The heads whose q/k rows llama.cpp interleaved in tensor ``name`` (0: none)."""
     if arch not in PERMUTED_ARCHS:
@@ -205,6 +218,57 @@ def dequantized(t, dtype: torch.dtype) -> torch.Tensor:
     shape = (out_features(t), in_features(t)) if len(t.shape) > 1 else (in_features(t),)
     # a copy in any case: an F32 tensor's values are a view of the file
     return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype, copy=True)
+
+
+def config_from_file(path: Path, config: PretrainedConfig) -> dict:
+    """What transformers' GGUF config misses and the file says, as config fields: its
+    tensors' (``config_from_tensors``) and, for Gemma, its metadata's (``gemma_config``)."""
+    fields = config_from_tensors(path, config)
+    if config.model_type in ("gemma2", "gemma3_text"):
+        fields.update(gemma_config(path, {**config.to_dict(), **fields}))
+    return fields
+
+
+# llama.cpp's layer counts of the 27B Gemmas, whose query_pre_attn_scalar is hidden / heads
+# rather than the head size (its ``f_attention_scale``; no metadata key carries it).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def gemma_config(path: Path, config: dict) -> dict:
+    """The Gemma fields transformers' GGUF mapping drops, from the file's metadata as
+    llama.cpp reads it: the soft-caps (``{arch}.attn_logit_softcapping``,
+    ``final_logit_softcapping``; absent: the config's defaults), ``query_pre_attn_scalar``
+    (llama.cpp's rule by layer count), and Gemma 3's global RoPE scaling
+    (``rope.scaling.type`` / ``factor``) and local base (``rope.freq_base_swa``, else
+    llama.cpp's 10000); and ``<end_of_turn>`` as an EOS id beside the file's EOS (an
+    instruction-tuned Gemma ends its turn with it: llama.cpp counts it as end of generation,
+    Google's generation config lists it)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    meta, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens",))
+    arch = meta.get("general.architecture", "")
+    fields = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"{arch}.{key}" in meta:
+            fields[key] = float(meta[f"{arch}.{key}"]) or None  # 0: none
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS.get(arch)
+    fields["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+    if arch == "gemma3":
+        rope = {k: dict(v) for k, v in (config.get("rope_parameters") or {}).items()}
+        full = rope.setdefault("full_attention", {"rope_type": "default"})
+        kind, factor = meta.get(f"{arch}.rope.scaling.type"), meta.get(
+            f"{arch}.rope.scaling.factor")
+        if kind not in (None, "none") and factor:
+            full.update(rope_type=kind, factor=float(factor))
+        local = rope.setdefault("sliding_attention", {"rope_type": "default"})
+        local["rope_theta"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        fields["rope_parameters"] = rope
+    tokens, eos = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.eos_token_id")
+    if "<end_of_turn>" in tokens and eos is not None:
+        fields["eos_token_id"] = sorted({int(eos), tokens.index("<end_of_turn>")})
+    return fields
 
 
 def config_from_tensors(path: Path, config: PretrainedConfig) -> dict:

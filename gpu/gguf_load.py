@@ -192,7 +192,13 @@ def _check_shape(name: str, got: nn.Module, want: nn.Module) -> None:
 
 
 def _norm_weight(b: _Builder, name: str) -> nn.Parameter:
-    return nn.Parameter(b.float_tensor(name), requires_grad=False)
+    """A norm's weight; Gemma's with llama.cpp's stored ``+ 1`` taken off (in float32:
+    exact for the stored ``1 + w``, so ``GemmaRMSNorm``'s ``1 + w`` gives it back)."""
+    shift = gf.NORM_SHIFT.get(b.f.arch)
+    if not shift:
+        return nn.Parameter(b.float_tensor(name), requires_grad=False)
+    weight = gf.dequantized(b.tensor(name), torch.float32) - shift
+    return nn.Parameter(weight.to(b.dtype), requires_grad=False)
 
 
 def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions: int, ops,
@@ -228,7 +234,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
             module = b.linear(names, biases)
             _check_shape(f"layer {i} {target}", module, getattr(parent, leaf))
             setattr(parent, leaf, module)
-        for short, attr in gf.LAYER_NORMS.items():
+        for short, attr in gf.layer_norms(f.arch).items():
             getattr(layer, attr).weight = _norm_weight(b, f"blk.{i}.{short}.weight")
         for short, attr in gf.HEAD_NORMS.items():  # Qwen3's q/k norms
             if hasattr(layer.self_attn, attr):

@@ -76,6 +76,16 @@ class LayerOps(Protocol):
         """``silu(gate_up[:, :I]) * gate_up[:, I:]``: ``[N, 2I]`` → ``[N, I]``."""
         ...
 
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``x`` ``[N, dim]`` normalised times ``(1 + weight)``, all in float32,
+        rounded to ``x``'s dtype once at the end (transformers' ``Gemma2RMSNorm``)."""
+        ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU: ``gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]`` (``gelu_pytorch_tanh``, Gemma's
+        ``hidden_activation``): ``[N, 2I]`` → ``[N, I]``."""
+        ...
+
     def rotary_qkv(self, qkv: torch.Tensor, rope: RopeStep, num_heads: int, num_kv_heads: int,
                    head_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RoPE on q and k of the fused projection ``qkv`` ``[T, (H + 2 Hkv) D]``; returns
@@ -106,6 +116,18 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return (x * (1.0 + weight.float())).to(dtype)
+
+    @staticmethod
+    def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
     def rotary_qkv(qkv, rope, num_heads, num_kv_heads, head_size):
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_size)
         cos, sin = rope.rows(qkv.dtype)
@@ -128,6 +150,10 @@ class CpuLayerOps:
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_and_mul(gate_up)
+
+    # No kernels of ours for Gemma's norm and GeGLU yet: torch's, as transformers computes them.
+    gemma_rms_norm = staticmethod(TorchLayerOps.gemma_rms_norm)
+    gelu_tanh_and_mul = staticmethod(TorchLayerOps.gelu_tanh_and_mul)
 
     @staticmethod
     def rotary_qkv(qkv, rope, num_heads, num_kv_heads, head_size):

@@ -76,7 +76,7 @@ def _sha256(path: Path) -> str:
 
 
 # Bump when what gguf_metadata_dir writes changes.
-_METADATA_VERSION = "v2"  # v2: rope_freq_factors, head_dim from the tensors
+_METADATA_VERSION = "v3"  # v2: rope_freq_factors, head_dim from the tensors; v3: Gemma's
 
 
 def _file_key(gguf: Path) -> str:
@@ -107,7 +107,7 @@ def gguf_metadata_dir(gguf: Path) -> Path:
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    for key, value in gguf_file.config_from_tensors(gguf, config).items():
+    for key, value in gguf_file.config_from_file(gguf, config).items():
         setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
@@ -150,7 +150,7 @@ def convert_gguf(gguf: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        _save_converted(model, tokenizer, tmp)
+        _save_converted(gguf, model, tokenizer, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -162,7 +162,7 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def _save_converted(model, tokenizer, tmp: Path) -> None:
+def _save_converted(gguf: Path, model, tokenizer, tmp: Path) -> None:
     # save_pretrained refuses GGUF-loaded models: write the de-quantized tensors ourselves.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -171,7 +171,7 @@ def _save_converted(model, tokenizer, tmp: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    for key, value in gguf_file.config_from_tensors(gguf, config).items():
+    for key, value in gguf_file.config_from_file(gguf, config).items():
         setattr(config, key, value)  # rope_freq_factors: read by llama.rope_inv_freq
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -71,6 +71,9 @@ class ModelInfo:
     parallel_layout: list[dict] | None = None
     cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
     weights_resident: dict | None = None  # a GGUF's weights: form and bytes (``ModelRunner``)
+    # Every layer's window (the largest), when blocks before it may be released
+    # (``ModelRunner.kv_sliding_window``); None: every block stays.
+    kv_sliding_window: int | None = None
 
 
 class ModelRunner:
@@ -276,7 +279,17 @@ class ModelRunner:
             kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
             + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_sliding_window=self.kv_sliding_window(),
         )
+
+    def kv_sliding_window(self) -> int | None:
+        """The window in tokens past which the scheduler may release a request's blocks: the
+        model's when every layer has one (``registry.kv_sliding_window``), unless a draft
+        model (its own layers read the same block ids in full) or a KV connector (it saves
+        and loads whole block lists) is on: then the windows only mask."""
+        if self.draft is not None or self.cache_config.kv_transfer_config is not None:
+            return None
+        return registry.kv_sliding_window(self.hf_config)
 
     def _dummy_requests(self, num_tokens: int, num_seqs: int) -> list[ScheduledRequest]:
         """``num_seqs`` prompts sharing ``num_tokens`` tokens, on consecutive blocks from 0, in

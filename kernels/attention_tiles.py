@@ -36,3 +36,23 @@ def online_softmax_step(m, l_sum, acc, s):
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m - m_new)
     return m_new, l_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None], p
+
+
+@triton.jit
+def online_softmax_step_masked(m, l_sum, acc, s):
+    """``online_softmax_step`` for tiles where a row may have no valid token yet (a sliding
+    window starts past the tile for some rows): a row whose max is still ``-inf`` gets
+    ``p = 0`` and keeps ``acc`` and ``l_sum`` at 0, instead of NaN."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m - m_safe)
+    return m_new, l_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None], p
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)`` (Gemma 2's attention-logit soft cap), ``s`` and ``cap`` in the
+    same units (both base 2 here), as ``1 - 2 / (1 + e^(2y))``: saturates at +-cap, no NaN."""
+    e = tl.math.exp2(s * (2.0 * 1.4426950408889634 / cap))
+    return cap * (1.0 - 2.0 / (1.0 + e))

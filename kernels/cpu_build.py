@@ -84,7 +84,8 @@ def bind(lib: ctypes.CDLL) -> None:
     """Declare the C signatures (ctypes would otherwise pass ints as 32-bit)."""
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32, i64],  # + kv_kind
+        # + kv_kind, sliding window (0: none), soft cap (0: none)
+        "paged_decode_attention": [ptr] * 7 + [i64] * 6 + [f32, i64, i64, f32],
         "rms_norm": [ptr] * 4 + [i64] * 3 + [f32],
         "silu_and_mul": [ptr] * 2 + [i64] * 2,
         "rotary": [ptr] * 4 + [i64] * 4,
@@ -100,7 +101,7 @@ def bind(lib: ctypes.CDLL) -> None:
             fn.argtypes, fn.restype = args, None
     for suffix in ("f32", "bf16"):
         fn = getattr(lib, f"paged_prefill_attention_{suffix}")
-        fn.argtypes = [ptr, i64] + [ptr] * 6 + [i64] * 6 + [f32, i64]  # + kv_kind
+        fn.argtypes = [ptr, i64] + [ptr] * 6 + [i64] * 6 + [f32, i64, i64, f32]  # as decode
         fn.restype = ctypes.c_int
     lib.cpu_ops_isa.argtypes, lib.cpu_ops_isa.restype = [], ctypes.c_char_p
     lib.cpu_ops_has_prefill.argtypes, lib.cpu_ops_has_prefill.restype = [], ctypes.c_int

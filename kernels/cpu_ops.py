@@ -269,6 +269,9 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention read in place from the paged cache (same contract as
     ``reference.paged_decode_attention``), optionally with several queries per sequence.
@@ -285,6 +288,9 @@ def paged_decode_attention(
             ``query``, its last tokens (a decode with speculative drafts); query ``j`` of
             ``q_len`` attends to the first ``seq_lens[i] - (q_len - 1 - j)`` tokens (causal).
             ``None``: one query per sequence.
+        sliding_window, logits_soft_cap: as ``reference.paged_decode_attention``; with a
+            window only the last ``sliding_window`` tokens of each query are read, so the
+            blocks before them are never touched (they may be freed ones).
 
     Returns:
         ``[B, num_heads, head_size]`` in the query's dtype (softmax in float32).
@@ -312,7 +318,8 @@ def paged_decode_attention(
         qsl = query_start_loc.data_ptr()
     fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
        seq_lens.data_ptr(), qsl, out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
-       block_size, block_table.shape[1], scale, kv_kind)
+       block_size, block_table.shape[1], scale, kv_kind, sliding_window or 0,
+       logits_soft_cap or 0.0)
     return out
 
 
@@ -334,6 +341,9 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks over the paged cache, read in place
     (``reference.paged_prefill_attention``'s contract), flash-attention style.
@@ -350,6 +360,7 @@ def paged_prefill_attention(
             contiguous, the query's dtype, or 8-bit as ``paged_decode_attention`` takes them.
             block_table ``[B, max_blocks]`` int32, seq_lens
             ``[B]`` int32, query_start_loc ``[B + 1]`` int32.
+        sliding_window, logits_soft_cap: as ``paged_decode_attention``.
 
     Returns:
         ``[T, num_heads, head_size]`` in the query's dtype (softmax in float32).
@@ -376,6 +387,6 @@ def paged_prefill_attention(
     if fn(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
           block_table.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
           out.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_size, block_size,
-          block_table.shape[1], scale, kv_kind):
+          block_table.shape[1], scale, kv_kind, sliding_window or 0, logits_soft_cap or 0.0):
         raise ValueError(f"prefill kernel: not in the {_isa} kernels (or head_size unsupported)")
     return out

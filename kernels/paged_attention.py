@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_tiles import kv_tile_offsets, online_softmax_step
+from pagedserve.kernels.attention_tiles import kv_tile_offsets, online_softmax_step, soft_cap
 from pagedserve.kernels.launch import prepare_query_and_out
 
 LOG2E = 1.4426950408889634
@@ -38,17 +38,24 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens (read when HAS_WINDOW)
+    cap,  # soft cap * log2(e), the scores' base-2 units (read when HAS_CAP)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # This split's tokens: an equal share of this sequence, rounded up to whole tiles.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
-    start = split * per_split
+    # The tokens this query sees: its last `window` ones with a window (the blocks before
+    # are never read), all of them otherwise.
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # This split's tokens: an equal share of those, rounded up to whole tiles.
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), TILE_N) * TILE_N
+    start = lo + split * per_split
     end = tl.minimum(seq_len, start + per_split)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -73,6 +80,8 @@ def _decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # s: [G, N]
+        if HAS_CAP:
+            s = soft_cap(s, cap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m, l_sum, acc, p = online_softmax_step(m, l_sum, acc, s)  # the tile has a valid token
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -161,8 +170,13 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Decode attention, a drop-in for ``kernels.reference.paged_decode_attention``.
+    """Decode attention, a drop-in for ``kernels.reference.paged_decode_attention``
+    (``sliding_window`` and ``logits_soft_cap`` too: with a window only the last
+    ``sliding_window`` tokens are read, so the cost is O(window) and blocks before it may be
+    released ones).
 
     Args (beyond the reference's):
         num_splits: force the split-KV factor (``1``: no split); default ``choose_num_splits``.
@@ -180,7 +194,9 @@ def paged_decode_attention(
         return out
     group = num_heads // kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kv_heads, query.device, max_seq_len)
+        longest = max_seq_len if sliding_window is None or max_seq_len is None else min(
+            max_seq_len, sliding_window)
+        num_splits = choose_num_splits(num_seqs, kv_heads, query.device, longest)
     group_pad = max(triton.next_power_of_2(group), 2)
     head_pad = max(triton.next_power_of_2(head_size), 16)
     if num_splits > 1:
@@ -192,12 +208,13 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, seq_lens, out, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         GROUP=group, GROUP_PAD=group_pad, TILE_N=_tile_n(group_pad, head_pad),
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+        HAS_CAP=logits_soft_cap is not None,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](

@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_tiles import kv_tile_offsets, online_softmax_step
+from pagedserve.kernels.attention_tiles import (
+    kv_tile_offsets,
+    online_softmax_step,
+    online_softmax_step_masked,
+    soft_cap,
+)
 from pagedserve.kernels.launch import prepare_query_and_out
 
 LOG2E = 1.4426950408889634
@@ -27,11 +32,14 @@ LOG2E = 1.4426950408889634
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens (read when HAS_WINDOW)
+    cap,  # soft cap * log2(e), the scores' base-2 units (read when HAS_CAP)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
     seq, m_tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -60,7 +68,11 @@ def _prefill_kernel(
     # Keys up to this tile's last query (causal); the first tile holds position 0, so every
     # row has a finite running max from the first iteration on.
     kv_end = tl.minimum(seq_len, context_len + (m_tile + 1) * BLOCK_M)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # With a window, from the first query's first key: nothing before it is read.
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(context_len + m_tile * BLOCK_M - window + 1, 0)
+    for tile_start in range(kv_begin, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
@@ -70,14 +82,22 @@ def _prefill_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # s: [M, N]
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc, p = online_softmax_step(m_i, l_i, acc, s)
+        if HAS_CAP:
+            s = soft_cap(s, cap)
+        live = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:  # a later row's window may start past this tile: the masked step
+            live = live & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(live, s, float("-inf"))
+            m_i, l_i, acc, p = online_softmax_step_masked(m_i, l_i, acc, s)
+        else:
+            s = tl.where(live, s, float("-inf"))
+            m_i, l_i, acc, p = online_softmax_step(m_i, l_i, acc, s)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
         acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
-    o = acc / l_i[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only for padding rows (not stored)
     tl.store(
         out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
@@ -95,8 +115,12 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Prefill attention, a drop-in for ``kernels.reference.paged_prefill_attention``.
+    """Prefill attention, a drop-in for ``kernels.reference.paged_prefill_attention``
+    (``sliding_window`` and ``logits_soft_cap`` too; with a window a tile of queries reads
+    from its first query's window on).
 
     Args (beyond the reference's):
         max_query_len: the longest chunk, if the caller knows it on the host; otherwise it is
@@ -125,11 +149,12 @@ def paged_prefill_attention(
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         GROUP=num_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_fp32, HAS_WINDOW=sliding_window is not None,
+        HAS_CAP=logits_soft_cap is not None,
     )
     return out

@@ -74,6 +74,9 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its whole paged context (decode).
 
@@ -81,6 +84,10 @@ def paged_decode_attention(
         query: ``[B, num_heads, head_size]``; query ``i`` sits at position ``seq_lens[i] - 1``.
         block_table: ``[B, max_blocks_per_seq]``; seq_lens: ``[B]`` (context incl. the query).
         scale: softmax scale, usually ``head_size ** -0.5``.
+        sliding_window: a query at position ``i`` sees keys ``j`` with ``i - W < j <= i``
+            (``transformers.masking_utils.sliding_window_overlay``); ``None``: all of them.
+        logits_soft_cap: scores become ``cap * tanh(scores / cap)`` after scaling, before the
+            mask and softmax (Gemma 2's ``attn_logit_softcapping``); ``None``: unchanged.
 
     Returns:
         ``[B, num_heads, head_size]`` in the query's dtype (softmax in float32).
@@ -96,14 +103,40 @@ def paged_decode_attention(
     k, dtype = _readable(key_cache.index_select(0, blocks).view(shape), query)
     v, _ = _readable(value_cache.index_select(0, blocks).view(shape), query)
     k, v = k[:, :max_len].transpose(1, 2), v[:, :max_len].transpose(1, 2)
-    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [B, L]
+    pos = torch.arange(max_len, device=query.device)[None, :]
+    valid = pos < seq_lens[:, None]  # [B, L]
+    if sliding_window is not None:
+        valid &= pos >= seq_lens[:, None] - sliding_window
     # One batched call for all sequences and heads; GQA without repeating K/V. torch's CPU
     # kernel accumulates in float32 for bfloat16 inputs.
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.to(dtype).unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
-        enable_gqa=True,
-    )  # [B, H, 1, D]
+    out = attend(query.to(dtype).unsqueeze(2), k, v, valid[:, None, None, :], scale,
+                 logits_soft_cap)  # [B, H, 1, D]
     return out.squeeze(2).to(query.dtype)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    logits_soft_cap: float | None, is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA over ``q`` ``[B, H, Lq, D]`` and ``k``/``v`` ``[B, Hkv, L, D]`` (GQA: ``H`` a
+    multiple of ``Hkv``), ``mask`` boolean (True = attend) broadcastable to ``[B, H, Lq, L]``.
+    With ``logits_soft_cap`` the scores are capped (``cap * tanh(s / cap)``) before masking,
+    which torch's fused kernels cannot do, so that case is computed unfused in float32."""
+    if logits_soft_cap is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    qg = q.float().reshape(b, hkv, h // hkv, lq, d)
+    s = torch.einsum("bkgqd,bkld->bkgql", qg, k.float()) * scale
+    s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+    if is_causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        mask = mask.expand(b, h, lq, lk).reshape(b, hkv, h // hkv, lq, lk)
+        s = s.masked_fill(~mask, float("-inf"))
+    o = torch.einsum("bkgql,bkld->bkgqd", s.softmax(-1), v.float())
+    return o.reshape(b, h, lq, d).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -114,6 +147,9 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks over paged K/V (prefill).
 
@@ -123,6 +159,7 @@ def paged_prefill_attention(
 
     Args:
         query: ``[T, num_heads, head_size]``; query_start_loc: ``[B+1]``; seq_lens: ``[B]``.
+        sliding_window, logits_soft_cap: as ``paged_decode_attention``.
 
     Returns:
         ``[T, num_heads, head_size]`` in the query's dtype.
@@ -135,17 +172,17 @@ def paged_prefill_attention(
         q_len = q.shape[0]
         k, dtype = _readable(gather_kv(key_cache, block_table[i], seq_len), query)
         v, _ = _readable(gather_kv(value_cache, block_table[i], seq_len), query)
-        if q_len == seq_len:  # no cached context: plain causal attention
+        if q_len == seq_len and sliding_window is None:  # no cached context: plain causal
             mask, causal = None, True
         else:  # query j sits at position seq_len - q_len + j and sees keys up to it
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-            causal = False
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask, causal = k_pos <= q_pos, False
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
         # 4-D inputs ([1, H, L, D]): only those reach torch's fused (flash) CPU kernel; 3-D
         # ones fall back to the unfused math path, many times slower (loadtest/RESULTS.md).
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-        )
+        o = attend(q.to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
+                   v.transpose(0, 1)[None], mask, scale, logits_soft_cap, is_causal=causal)
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1).to(query.dtype)
     return out

@@ -15,8 +15,9 @@ from starlette.routing import Route
 
 from pagedserve.actors.engine import AsyncEngine
 from pagedserve.server.admin import admin_routes
+from pagedserve.server.anthropic.serving import MessagesServing
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
-from pagedserve.server.errors import OpenAIError, error_body
+from pagedserve.server.errors import OpenAIError, error_body_for
 from pagedserve.server.lora_modules import lora_routes
 from pagedserve.server.middleware import DEFAULT_BODY_READ_TIMEOUT_S, RequestGuard, ServerLoad
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -61,6 +62,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
         Route("/v1/completions", serving.completion, methods=["POST"]),
         *ResponsesServing(serving, ResponseStore(config.max_stored_responses)).routes(),
+        *MessagesServing(serving).routes(),
         *_model_routes(engine, serving),
         *_tokenizer_routes(engine, serving),
         Route("/version", version_route, methods=["GET"]),
@@ -153,15 +155,17 @@ def _tokenizer_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
 
 
 def _exception_handlers() -> dict[type[Exception], ExceptionHandler]:
-    """OpenAI error objects for our errors, Starlette's HTTP errors and anything unhandled."""
+    """OpenAI error objects (Anthropic's under ``/v1/messages``) for our errors, Starlette's
+    HTTP errors and anything unhandled."""
 
     async def on_openai_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, OpenAIError)
-        return exc.response()
+        return exc.response(request.url.path)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
+        return JSONResponse(error_body_for(request.url.path, str(exc.detail), exc.status_code),
+                            exc.status_code)
 
     async def on_client_gone(request: Request, exc: Exception) -> Response:
         # The client closed mid-body: a normal event, logged as one (nobody reads the reply).
@@ -170,7 +174,8 @@ def _exception_handlers() -> dict[type[Exception], ExceptionHandler]:
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled_error", path=request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500)
+        return JSONResponse(error_body_for(
+            request.url.path, f"internal error: {type(exc).__name__}: {exc}", 500), 500)
 
     return {OpenAIError: on_openai_error, HTTPException: on_http_error,
             ClientDisconnect: on_client_gone, Exception: on_error}

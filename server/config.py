@@ -64,7 +64,8 @@ class ServingConfig:
     })
     # The admin routes fall back to the API key when no admin key is set.
     api_key: str | None = field(default=None, metadata={
-        "help": "require `Authorization: Bearer <key>` on the API routes (/v1/*, /invocations, "
+        "help": "require `Authorization: Bearer <key>` (or `x-api-key: <key>`) on the API "
+                "routes (/v1/*, /invocations, "
                 "/tokenize, /detokenize, /version, /reset_prefix_cache); probes, pages and "
                 "the schema stay open",
         "env": "PAGEDSERVE_API_KEY",

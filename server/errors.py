@@ -1,12 +1,15 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 Types follow vLLM's server (``BadRequestError``, ``NotFoundError``, ...), with the HTTP status
-as ``code``.
+as ``code``. Under ``/v1/messages`` the same errors take Anthropic's shape instead
+(``error_body_for``; ``server/anthropic/errors.py``).
 """
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
+
+from pagedserve.server.anthropic.errors import anthropic_error_body, is_messages_path
 
 _TYPES = {
     400: "BadRequestError",
@@ -36,8 +39,10 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error answer to a request for ``path`` (its API decides the shape)."""
+        return JSONResponse(error_body_for(path, self.message, self.status, self.param),
+                            status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -49,3 +54,11 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
             "code": status,
         }
     }
+
+
+def error_body_for(path: str, message: str, status: int, param: str | None = None) -> dict:
+    """The error object a client of ``path`` reads: Anthropic's under ``/v1/messages`` (which
+    has no ``param``: the message names the field), else OpenAI's."""
+    if is_messages_path(path):
+        return anthropic_error_body(message, status)
+    return error_body(message, status, param)

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from pagedserve.server.errors import OpenAIError, error_body
+from pagedserve.server.errors import OpenAIError, error_body_for
 
 log = structlog.get_logger("pagedserve.access")
 
@@ -38,7 +38,8 @@ DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics",
                         "/ping", "/load", "/openapi.json", "/docs", "/favicon.ico"})
 # The routes that run the model, counted by ``ServerLoad`` (vLLM's ``load_aware_call`` routes).
-LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
+LOAD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations",
+                        "/v1/messages"})
 
 
 @dataclass(slots=True)
@@ -54,7 +55,8 @@ class RequestGuard:
     """Args:
     app: the ASGI app behind the guard.
     api_key: when set, every path outside ``open_paths`` needs ``Authorization: Bearer <key>``
-        (compared in constant time).
+        or ``x-api-key: <key>`` (Anthropic's clients send the key so), compared in constant
+        time.
     max_body_bytes: larger request bodies get 413.
     body_read_timeout_s: a body not received in full this many seconds after the handler
         starts reading it gets 408 (a client stalled mid-body; Hypercorn has no such limit of
@@ -105,25 +107,23 @@ class RequestGuard:
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.draining:
-            return await _reply(send, 503, "server is shutting down", {"retry-after": "1"})
+            return await _reply(send, 503, "server is shutting down", {"retry-after": "1"},
+                                path=scope["path"])
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         path = scope["path"]
         if (self.api_key is not None and path not in self.open_paths
-                and not path.startswith("/static/")):
-            auth = headers.get(b"authorization", b"")
-            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
-                return await _reply(send, 401, "invalid or missing API key "
-                                    "(send Authorization: Bearer <key>)")
+                and not path.startswith("/static/") and not _authorized(headers, self.api_key)):
+            return await _reply(send, 401, "invalid or missing API key (send Authorization: "
+                                "Bearer <key>, or x-api-key: <key>)", path=path)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype and ctype != b"application/json" and not ctype.endswith(b"+json"):
                 return await _reply(send, 415, f"content type {ctype.decode()!r} is not "
-                                    "supported; send application/json")
+                                    "supported; send application/json", path=path)
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
                 return await _reply(send, 413, f"request body of {int(length)} bytes exceeds "
-                                    f"the limit of {self.max_body_bytes}")
+                                    f"the limit of {self.max_body_bytes}", path=path)
             receive = self._limited(receive)
         await self.app(scope, receive, send)
 
@@ -161,6 +161,14 @@ class RequestGuard:
         return wrapped
 
 
+def _authorized(headers: dict[bytes, bytes], key: bytes) -> bool:
+    """The bearer token or the ``x-api-key`` header is ``key`` (both compared, in constant
+    time, whichever was sent)."""
+    auth = headers.get(b"authorization", b"")
+    bearer = hmac.compare_digest(auth[7:] if auth[:7].lower() == b"bearer " else b"", key)
+    return hmac.compare_digest(headers.get(b"x-api-key", b""), key) or bearer
+
+
 def _log_access(scope: Scope, seen: dict[str, Any], start: float) -> None:
     """One line per request; ``status`` is ``None`` when the client left before any reply."""
     client = scope.get("client")
@@ -175,9 +183,10 @@ def _log_access(scope: Scope, seen: dict[str, Any], start: float) -> None:
 
 
 async def _reply(send: Send, status: int, message: str,
-                 extra_headers: dict[str, str] | None = None) -> None:
-    # Rendered as Starlette's JSONResponse renders every other error: compact, UTF-8.
-    body = json.dumps(error_body(message, status), ensure_ascii=False,
+                 extra_headers: dict[str, str] | None = None, path: str = "") -> None:
+    # Rendered as Starlette's JSONResponse renders every other error: compact, UTF-8; in the
+    # shape of the API ``path`` belongs to.
+    body = json.dumps(error_body_for(path, message, status), ensure_ascii=False,
                       separators=(",", ":")).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]

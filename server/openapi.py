@@ -18,6 +18,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute, Route
 
+from pagedserve.server.anthropic.errors import is_messages_path
+from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +33,8 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/chat/completions": (ChatCompletionRequest,),
     "/v1/completions": (CompletionRequest,),
     "/v1/responses": (ResponsesRequest,),
+    "/v1/messages": (MessagesRequest,),
+    "/v1/messages/count_tokens": (CountTokensRequest,),
     "/invocations": (ChatCompletionRequest, CompletionRequest),
     "/tokenize": (TokenizeRequest,),
     "/detokenize": (DetokenizeRequest,),
@@ -44,6 +48,9 @@ SUMMARIES: dict[str, str] = {
     "/v1/responses": "Responses API (OpenAI): input items and instructions in, output items "
                      "out; previous_response_id continues a stored response.",
     "/v1/responses/{response_id}": "A stored response by its id.",
+    "/v1/messages": "Messages API (Anthropic): system and messages in, content blocks (text, "
+                    "tool_use) or Anthropic's SSE events out; tools, stop_sequences.",
+    "/v1/messages/count_tokens": "Prompt tokens of a Messages API conversation.",
     "/v1/models": "The served model names (--served-model-name) and LoRA adapters (with "
                   "their parent), one card each.",
     "/v1/load_lora_adapter": "Load a LoRA adapter by lora_name and lora_path "
@@ -71,6 +78,11 @@ _ERROR = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
 }
+_ANTHROPIC_ERROR = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {"type": "object", "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}},
+}
 
 
 def openapi_spec(routes: Iterable[BaseRoute], title: str, version: str) -> dict:
@@ -79,6 +91,7 @@ def openapi_spec(routes: Iterable[BaseRoute], title: str, version: str) -> dict:
     refs, schema = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = dict(schema.get("$defs", {}))
     components["ErrorResponse"] = _ERROR
+    components["AnthropicErrorResponse"] = _ANTHROPIC_ERROR
     paths: dict[str, dict] = {}
     for route in routes:
         if not isinstance(route, Route):
@@ -94,12 +107,14 @@ def openapi_spec(routes: Iterable[BaseRoute], title: str, version: str) -> dict:
 
 def _operation(route: Route, path: str, method: str, bodies: list[dict]) -> dict:
     doc = (route.endpoint.__doc__ or "").strip().split("\n")[0]
+    error = ("Anthropic", "AnthropicErrorResponse") if is_messages_path(path) else (
+        "OpenAI", "ErrorResponse")
     op: dict = {"operationId": f"{method.lower()}_{route.name}",
                 "summary": SUMMARIES.get(path) or doc or method.upper(),
                 "responses": {"200": {"description": "OK"},
-                              "4XX": {"description": "OpenAI error object", "content": {
+                              "4XX": {"description": f"{error[0]} error object", "content": {
                                   "application/json": {"schema": {
-                                      "$ref": _REF.format(model="ErrorResponse")}}}}}}
+                                      "$ref": _REF.format(model=error[1])}}}}}}
     params = [p for p in route.param_convertors]
     if params:
         op["parameters"] = [{"name": p, "in": "path", "required": True,

@@ -38,16 +38,21 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        if err["type"] != "value_error":  # pydantic's own check: name it, as vLLM's message does
-            msg = f"{msg} [type={err['type']}]"
-        param = str(err["loc"][0]) if err["loc"] else None  # the top-level field
-        if param is None and ":" in msg:  # our model validators say "field: problem"
-            param = msg.split(":", 1)[0]
-        elif param is not None:
-            msg = f"{param}: {msg}"
-        raise OpenAIError(msg, param=param) from e
+        raise validation_error(e) from e
+
+
+def validation_error(e: ValidationError) -> OpenAIError:
+    """A 400 for pydantic's first complaint, ``param`` the top-level field it sits in."""
+    err = e.errors()[0]
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] != "value_error":  # pydantic's own check: name it, as vLLM's message does
+        msg = f"{msg} [type={err['type']}]"
+    param = str(err["loc"][0]) if err["loc"] else None  # the top-level field
+    if param is None and ":" in msg:  # our model validators say "field: problem"
+        param = msg.split(":", 1)[0]
+    elif param is not None:
+        msg = f"{param}: {msg}"
+    return OpenAIError(msg, param=param)
 
 
 def check_json_values(body: dict[str, Any]) -> None:

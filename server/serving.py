@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,21 @@ from pagedserve.server.tool_calling import (
 from pagedserve.server.tool_parser_choice import resolve_auto_tool_choice
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class ChatInputs:
+    """A chat request resolved for the engine (``Serving.prepare_chat``).
+
+    Attributes:
+        prompt: the rendered prompt's ids (truncated as asked) and text.
+        params: its sampling parameters.
+        tools: the tool plan, ``None`` without tools.
+    """
+
+    prompt: PromptInput
+    params: SamplingParams
+    tools: ToolPlan | None
 
 
 def request_id_from(request: Request, prefix: str) -> str:
@@ -233,8 +248,10 @@ class Serving:
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    async def chat(self, request: Request):
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    async def prepare_chat(self, body: ChatCompletionRequest) -> ChatInputs:
+        """What a chat request means for the engine: the model checked, the tool plan (its
+        schemas compiled), the prompt rendered and the sampling parameters; every 400 of the
+        chat path. Also the Messages API's first step (``server/anthropic/serving.py``)."""
         self.check_model(body.model)
         tools = plan_tools(body, self.auto_tools)
         if tools is not None:
@@ -242,19 +259,23 @@ class Serving:
         rendered = self.prompts.for_messages(
             body.messages, tools.tools if tools else None, body.add_generation_prompt,
             body.continue_final_message, body.chat_template_kwargs)
-        prompt, prompt_ids = rendered.text, truncate_ids(
-            rendered.token_ids, body.truncate_prompt_tokens, body.truncation_side,
-            self.max_model_len)
+        prompt_ids = truncate_ids(rendered.token_ids, body.truncate_prompt_tokens,
+                                  body.truncation_side, self.max_model_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = self._sample_logprobs((body.top_logprobs or 0) if body.logprobs else None,
                                          "top_logprobs")
         params = self._sampling_params(body, len(prompt_ids), max_tokens, "messages", logprobs)
         if tools is not None and keeps_special_tokens(tools.parser, self.tokenizer):
             params.skip_special_tokens = False
+        return ChatInputs(PromptInput(prompt_ids, rendered.text), params, tools)
+
+    async def chat(self, request: Request):
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        inputs = await self.prepare_chat(body)
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else None
-        return await self._respond(request, body, [PromptInput(prompt_ids, prompt)], [params],
-                                   chat=True, echo=echo, tools=tools)
+        return await self._respond(request, body, [inputs.prompt], [inputs.params],
+                                   chat=True, echo=echo, tools=inputs.tools)
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)

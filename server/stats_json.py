@@ -131,6 +131,9 @@ def kv_cache_json(kv: KVCacheStats) -> dict[str, Any]:
         "prefix_cache_hit_rate": round(kv.prefix_cache_hit_rate, 6),
         "num_shared_blocks": kv.num_shared_blocks,
         "num_copied_blocks_total": kv.num_copied_blocks_total,
+        "sliding_window": kv.sliding_window,
+        "num_released_blocks_total": kv.num_released_blocks_total,
+        "max_blocks_in_use": kv.max_blocks_in_use,
     }
 
 

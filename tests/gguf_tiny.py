@@ -29,6 +29,14 @@ _LAYER = {
 
 
 LAYER_SHORTS = tuple(short for short, _ in _LAYER.values())
+# Gemma's norms (llama.cpp's names; ``ffn_norm`` is the one before the MLP there), all of
+# them written plus one as llama.cpp's converter does (its kernels skip Gemma's ``1 + w``).
+_GEMMA_NORMS = {
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "post_attention_norm",
+    "pre_feedforward_layernorm.weight": "ffn_norm",
+    "post_feedforward_layernorm.weight": "post_ffw_norm",
+}
+_ARCHS = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -198,6 +206,23 @@ def lowbit_quantize(t: np.ndarray, qtype) -> np.ndarray:
     return np.concatenate([hmask, q2, scales, d.reshape(nb, 1).view(np.uint8)], -1).reshape(n, -1)
 
 
+def _add_gemma_keys(w: GGUFWriter, config) -> None:
+    """The keys llama.cpp's converter writes for Gemma 2 / 3 beyond Llama's: the window, the
+    soft-caps (Gemma 2 both; Gemma 3 the final one when set) and Gemma 3's global RoPE
+    scaling. Not the local RoPE base nor the 5:1 layer pattern: llama.cpp fixes both."""
+    w.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma2":
+        w.add_attn_logit_softcapping(config.attn_logit_softcapping or 0.0)
+    if config.final_logit_softcapping:
+        w.add_final_logit_softcapping(config.final_logit_softcapping)
+    full = (config.rope_parameters or {}).get("full_attention", {})
+    if full.get("rope_type") == "linear":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+
+
 def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
                     types: dict | None = None, embedding=Q.Q8_0) -> Path:
     """``model_dir``'s float32 safetensors as ``out`` (a .gguf file); ``types``: GGUF short
@@ -206,8 +231,8 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     # A Qwen3 config is written as llama.cpp's ``qwen3`` architecture: q/k not interleaved,
-    # q/k norms, the head size as its own keys.
-    arch = "qwen3" if config.model_type == "qwen3" else "llama"
+    # q/k norms, the head size as its own keys; Gemma's as ``gemma2`` / ``gemma3``.
+    arch = _ARCHS.get(config.model_type, "llama")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     w = GGUFWriter(str(out), arch)
     w.add_context_length(config.max_position_embeddings)
@@ -216,11 +241,14 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    if arch == "qwen3":
+    if arch != "llama":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     rope = getattr(config, "rope_parameters", None) or {}
+    if arch.startswith("gemma"):
+        _add_gemma_keys(w, config)
+        rope = rope.get("full_attention", rope)
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -247,19 +275,25 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
         base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
         add("rope_freqs.weight", base / scaled.double().numpy(), None)
+    shift = 1.0 if arch.startswith("gemma") else 0.0
     add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
-    add("output_norm.weight", state["model.norm.weight"], None)
+    add("output_norm.weight", state["model.norm.weight"] + shift, None)
     for i in range(config.num_hidden_layers):
         for suffix, (short, qtype) in _LAYER.items():
+            if shift and short in ("attn_norm", "ffn_norm"):
+                continue  # Gemma's norms: below
             qtype = (types or {}).get(short, qtype)
             t = state[f"model.layers.{i}.{suffix}"]
             if short in ("attn_q", "attn_k") and arch == "llama":
                 t = _permute(t, heads if short == "attn_q" else kv_heads)
             add(f"blk.{i}.{short}.weight", t, qtype)
-        if arch == "qwen3":
+        if shift:
+            for suffix, short in _GEMMA_NORMS.items():
+                add(f"blk.{i}.{short}.weight", state[f"model.layers.{i}.{suffix}"] + shift, None)
+        if arch in ("qwen3", "gemma3"):
             for short, ours in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
-                add(f"blk.{i}.{short}.weight", state[f"model.layers.{i}.self_attn.{ours}.weight"],
-                    None)
+                add(f"blk.{i}.{short}.weight",
+                    state[f"model.layers.{i}.self_attn.{ours}.weight"] + shift, None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

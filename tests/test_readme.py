@@ -122,7 +122,8 @@ def default_server(tmp_path_factory):
 def test_every_readme_request_example_runs_as_written_and_is_bounded(default_server):
     """The README's curls against the default server (the KV-connector ones need two servers
     and a connector: tests/server/test_kv_connector.py), and its Python snippet, each with a
-    length limit, each answered; ``resp_...`` is the id the curl before it got."""
+    length limit, each answered; ``resp_...`` is the id the curl before it got. Its Python
+    snippets: the openai client's, the Agents SDK's and the anthropic client's."""
     ran, last_id = [], None
     for argv in curls()[1:]:
         body = json.loads(argv[argv.index("-d") + 1])
@@ -145,11 +146,17 @@ def test_every_readme_request_example_runs_as_written_and_is_bounded(default_ser
     assert call["function"]["name"] == "get_weather"
     assert "Paris" in json.loads(call["function"]["arguments"])["city"]
 
-    client_snippet, agents_snippet = readme_blocks("python")
-    assert "max_tokens=" in client_snippet and "max_tokens=" in agents_snippet
+    snippets = readme_blocks("python")
+    client_snippet, agents_snippet, messages_snippet = (
+        next(s for s in snippets if marker in s)
+        for marker in ("from openai import OpenAI", "from agents import", "import anthropic"))
+    assert all("max_tokens=" in s for s in (client_snippet, agents_snippet, messages_snippet))
     scope: dict = {}
     exec(client_snippet.replace(README_URL, default_server), scope)  # noqa: S102 (our README)
     assert scope["r"].choices[0].message.content
+    # Anthropic's client on /v1/messages, the Agents SDK's question: the same answer.
+    exec(messages_snippet.replace(README_URL, default_server), scope)  # noqa: S102
+    assert "Paris" in scope["m"].content[0].text and scope["m"].stop_reason == "end_turn"
     # The Agents SDK example by the slash-free alias, in a process of its own (run_sync).
     out = subprocess.run([sys.executable, "-c", agents_snippet.replace(README_URL, default_server)],
                          capture_output=True, text=True, timeout=120)

@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from pagedserve.gpu.attention import AttentionBackend, AttentionMetadata
 from pagedserve.gpu.layer_ops import LayerOps, RopeStep, TorchLayerOps
 from pagedserve.gpu.layer_ops import apply_rope as apply_rope  # the reference, for tests
+from pagedserve.gpu.models.sliding_window import layer_sliding_windows
 from pagedserve.gpu.parallel.comm import ParallelContext
 from pagedserve.gpu.parallel.layers import PPMissingLayer, VocabParallelEmbedding
 from pagedserve.gpu.parallel.layout import local_config
@@ -31,20 +32,26 @@ def attention_head_size(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_inv_freq(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: PretrainedConfig, head_size: int,
+                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_size // 2]`` and the cos/sin scaling, per the config's RoPE.
 
     transformers computes scaled variants (llama3, linear, yarn, ...); the default is ours,
     divided by the per-frequency ``rope_freq_factors`` a GGUF file of Llama 3.x carries
-    (``gguf_file.rope_freq_factors``; llama.cpp's ``freq_factors``).
+    (``gguf_file.rope_freq_factors``; llama.cpp's ``freq_factors``). ``layer_type``: the key of
+    a config whose ``rope_parameters`` are per layer type (Gemma 3's ``sliding_attention`` /
+    ``full_attention``).
     """
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None) and rope_type in ROPE_INIT_FUNCTIONS:
         # On the CPU even inside a meta-device build (``build``): llama3's reads values.
         ambient = torch.empty(0).device
+        kw = {} if layer_type is None else {"layer_type": layer_type}
         with torch.device("cpu"):
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
         return inv_freq.float().to(ambient), float(scaling)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     exponent = torch.arange(0, head_size, 2, dtype=torch.float) / head_size
@@ -59,15 +66,17 @@ class RotaryEmbedding(nn.Module):
     """Non-interleaved (``rotate_half``) RoPE tables: ``cos``, ``sin`` ``[max_positions, D]``
     float32, read by every layer through the step's ``RopeStep`` (``gpu/layer_ops.py``)."""
 
-    def __init__(self, config: PretrainedConfig, head_size: int, max_positions: int):
+    def __init__(self, config: PretrainedConfig, head_size: int, max_positions: int,
+                 layer_type: str | None = None):
         super().__init__()
         self.config, self.head_size, self.max_positions = config, head_size, max_positions
+        self.layer_type = layer_type  # of per-layer-type rope_parameters (rope_inv_freq)
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scaling = rope_inv_freq(self.config, self.head_size)
+        inv_freq, scaling = rope_inv_freq(self.config, self.head_size, self.layer_type)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         # rotate_half's minus sign folded into the first half of sin: bit-identical results,
@@ -116,9 +125,9 @@ class LlamaAttention(nn.Module):
     local_config``: its heads), and ``parallel`` sums ``o_proj``'s partial outputs."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, layer_idx: int = 0):
         super().__init__()
-        self.parallel = parallel
+        self.parallel, self.layer_idx = parallel, layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_size = attention_head_size(config)
@@ -130,6 +139,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.backend, self.ops = backend, ops
+        # Set per layer by LlamaModel (gpu/models/sliding_window.py); None: full attention.
+        self.sliding_window: int | None = None
+        # Attention-logit soft-cap (Gemma 2's ``attn_logit_softcapping``); None: none.
+        self.logits_soft_cap: float | None = None
 
     def project_qkv(self, x: torch.Tensor, rope: RopeStep):
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` of ``x`` ``[T, hidden]``, q and k rotated:
@@ -143,9 +156,26 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.project_qkv(x, rope)
         self.backend.write_kv(k, v, kv_cache, meta)
-        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        out = self.backend.forward(q, kv_cache, meta, self.scale,
+                                   sliding_window=self.sliding_window,
+                                   logits_soft_cap=self.logits_soft_cap)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_size))
         return out if self.parallel is None else self.parallel.all_reduce(out)
+
+
+def act_and_mul(config: PretrainedConfig, ops: LayerOps):
+    """The gated MLP's ``[N, 2I]`` → ``[N, I]`` op for the config's activation (``hidden_act``,
+    Gemma's ``hidden_activation``): SwiGLU for ``silu``, GeGLU for ``gelu_pytorch_tanh``.
+
+    Raises:
+        ValueError: another activation.
+    """
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    ops_by_act = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}
+    if act not in ops_by_act:
+        raise ValueError(f"MLP activation '{act}' is not supported (supported: "
+                         f"{', '.join(ops_by_act)})")
+    return ops_by_act[act]
 
 
 class LlamaMLP(nn.Module):
@@ -158,19 +188,20 @@ class LlamaMLP(nn.Module):
         # gate and up in one matmul (HF's gate_proj/up_proj concatenated at load time).
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.ops = ops
+        self.act_and_mul = act_and_mul(config, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] → [T, H]
+        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))  # [T, 2I] → [T, H]
         return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, ops: LayerOps,
-                 parallel: ParallelContext | None = None, attention=LlamaAttention):
+                 parallel: ParallelContext | None = None, attention=LlamaAttention,
+                 layer_idx: int = 0):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = attention(config, backend, ops, parallel)
+        self.self_attn = attention(config, backend, ops, parallel, layer_idx)
         self.mlp = LlamaMLP(config, ops, parallel)
         self.input_layernorm = RMSNorm(h, eps, ops)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
@@ -190,13 +221,14 @@ class LlamaModel(nn.Module):
     """``config``: the full model's; ``local``: this rank's share (``local_config``), the
     same object without parallelism. A pipeline stage builds only its layers (the others are
     ``PPMissingLayer``s, so the layer indices stay global), the first stage the embedding, the
-    last the final norm. ``attention``: the layers' attention class (the family's)."""
+    last the final norm. ``family``: the causal LM class whose parts these are (its
+    ``attention_cls``, ``decoder_layer_cls``, ``norm_cls``, ``rotary_cls``)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps, parallel: ParallelContext | None = None,
-                 local: PretrainedConfig | None = None, attention=LlamaAttention):
+                 local: PretrainedConfig | None = None, family=None):
         super().__init__()
-        local = local or config
+        local, family = local or config, family or LlamaForCausalLM
         lay = parallel.layout if parallel is not None else None
         first, last = (lay.layers if lay else (0, config.num_hidden_layers))
         if lay is None:
@@ -207,12 +239,15 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(local, backend, ops, parallel, attention) if first <= i < last
-            else PPMissingLayer() for i in range(config.num_hidden_layers)
+            family.decoder_layer_cls(local, backend, ops, parallel, family.attention_cls, i)
+            if first <= i < last else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        for i, window in enumerate(layer_sliding_windows(config)):
+            if first <= i < last:
+                self.layers[i].self_attn.sliding_window = window
+        self.norm = (family.norm_cls(config.hidden_size, config.rms_norm_eps, ops)
                      if lay is None or lay.is_last_stage else PPMissingLayer())
-        self.rotary_emb = RotaryEmbedding(config, attention_head_size(config), max_positions)
+        self.rotary_emb = family.rotary_cls(config, attention_head_size(config), max_positions)
         self.first_layer, self.end_layer = first, last
 
 
@@ -230,8 +265,14 @@ class LlamaForCausalLM(nn.Module):
     # order), as vLLM's ``stacked_params_mapping``.
     stacked_params = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                       ("gate_up_proj", ("gate_proj", "up_proj")))
-    # What a family built on this one changes (``qwen3.Qwen3ForCausalLM``).
+    # What a family built on this one changes (``qwen3.Qwen3ForCausalLM``,
+    # ``gemma2.Gemma2ForCausalLM``): the parts ``LlamaModel`` builds.
     attention_cls = LlamaAttention
+    decoder_layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
+    rotary_cls = RotaryEmbedding
+    # Each layer's attention applies its config window (registry.unhonoured_sliding_window).
+    honours_sliding_window = True
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps | None = None, parallel: ParallelContext | None = None):
@@ -242,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         # What this rank's KV cache holds (its KV heads, its stage's layers).
         self.kv_config = config if parallel is None else local_config(config, parallel.layout)
         self.model = LlamaModel(config, backend, max_positions, self.ops, parallel,
-                                self.kv_config, self.attention_cls)
+                                self.kv_config, type(self))
         if parallel is None or parallel.layout.is_last_stage:
             self.lm_head = nn.Linear(config.hidden_size, self.kv_config.vocab_size, bias=False)
         else:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from pagedserve.gpu.models.gemma2 import Gemma2ForCausalLM
+from pagedserve.gpu.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.gpu.models.sliding_window import config_window
+from pagedserve.gpu.models.sliding_window import kv_sliding_window as kv_sliding_window
 
 # transformers' architecture name -> (our class, the model_type it goes with).
 ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
@@ -21,6 +25,16 @@ ARCHITECTURES: dict[str, tuple[type[LlamaForCausalLM], str]] = {
     "Qwen3ForCausalLM": (Qwen3ForCausalLM, "qwen3"),
     # Llama's layers with q/k/v and gate/up stored fused, our own layout (loader keeps them).
     "Phi3ForCausalLM": (LlamaForCausalLM, "phi3"),
+    "Gemma2ForCausalLM": (Gemma2ForCausalLM, "gemma2"),
+    # Gemma 3's text model (1B, 270M; a GGUF of any size: llama.cpp's file holds the text part).
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, "gemma3_text"),
+}
+# Known architectures refused, with why and what to serve instead.
+_REFUSED = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma 3 with its vision tower (4B and larger checkpoints) is not supported; serve a "
+        "text-only Gemma3ForCausalLM checkpoint (gemma-3-1b, gemma-3-270m) or a GGUF of the "
+        "model (llama.cpp's gemma3 file holds only the text part)"),
 }
 MODEL_TYPES = {model_type: cls for cls, model_type in ARCHITECTURES.values()}
 
@@ -35,8 +49,16 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     Raises:
         UnsupportedArchitecture: neither its ``architectures`` nor its ``model_type`` is
             known (the message names both and the supported architectures), or it needs what
-            is not built yet (partial rotary embeddings: Phi-4-mini).
+            is not built yet (partial rotary embeddings: Phi-4-mini; Gemma 3's vision model;
+            bidirectional attention).
     """
+    for arch in getattr(config, "architectures", None) or ():
+        if arch in _REFUSED:
+            raise UnsupportedArchitecture(f"architecture {arch}: {_REFUSED[arch]}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedArchitecture(
+            "bidirectional attention (use_bidirectional_attention: an embedding model such as "
+            "EmbeddingGemma) is not supported: this server generates text")
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial not in (None, 1, 1.0):
         raise UnsupportedArchitecture(
@@ -93,13 +115,17 @@ def short_rope_limit(config: PretrainedConfig) -> int | None:
 
 
 def unhonoured_sliding_window(config: PretrainedConfig) -> int | None:
-    """The config's attention window in tokens when the model uses one (Mistral v0.1's 4096,
-    Phi-3's 2047; Qwen2/3 only with ``use_sliding_window``), else None. Our attention is
-    full, so the context is capped to it, as vLLM's ``--disable-sliding-window`` caps
-    ``max_model_len``: within the window full and windowed attention are the same."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0:
+    """The config's attention window in tokens (``sliding_window.config_window``: Mistral
+    v0.1's 4096, Phi-3's 2047; Qwen2/3 only with ``use_sliding_window``) when the model class
+    that serves it does not apply it (no ``honours_sliding_window``), else None. Such a
+    model's context is capped to the window, as vLLM's ``--disable-sliding-window`` caps
+    ``max_model_len``: within the window full and windowed attention are the same. Our
+    Llama-family classes apply it per layer (``gpu/models/sliding_window.py``)."""
+    window = config_window(config)
+    if window is None:
         return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
+    try:
+        cls = model_class(config)
+    except UnsupportedArchitecture:
+        return window  # refused later, where the model is built
+    return None if getattr(cls, "honours_sliding_window", False) else window

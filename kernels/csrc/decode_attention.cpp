@@ -40,6 +40,13 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* maxes 
   }
 }
 
+// Scores become cap * tanh(s / cap) (Gemma 2's attention-logit soft cap); cap 0: unchanged.
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
+
 // out[h] = acc[h] / sum_t p[h][t], rounded to T.
 template <typename T>
 void finish(const float* acc, const float* probs, T* dst, int64_t num_heads, int64_t head_size,
@@ -70,8 +77,8 @@ struct Paged {
 template <class V, typename C>
 void attend_simd(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Paged& pg,
                  int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t group,
-                 int64_t num_kv_heads, int64_t head_size, float* scores, float* acc,
-                 float* maxes, float* buf) {
+                 int64_t num_kv_heads, int64_t head_size, float cap, float* scores,
+                 float* acc, float* maxes, float* buf) {
   const int64_t nv = head_size / V::W, len = t_end - t_begin;
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t base = pg.offset(t);
@@ -86,6 +93,7 @@ void attend_simd(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, con
       }
     }
   }
+  soft_cap(scores, num_heads * len, cap);
   softmax_rows(scores, num_heads, len, maxes);
   std::fill(acc, acc + num_heads * head_size, 0.f);
   for (int64_t t = t_begin; t < t_end; ++t) {
@@ -108,16 +116,17 @@ void attend_simd(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, con
 // Scores, softmax and p.V of one query over tokens t_begin..t_end-1 of its sequence, for all
 // heads: acc[h] = sum_t p[h][t] v_t with p = exp(s - max_h) left in scores (row length
 // t_end - t_begin), unnormalised; the maxima go to ``maxes`` when it is not null. ``row``:
-// num_kv_heads * head_size floats of scratch.
+// num_kv_heads * head_size floats of scratch. ``cap`` > 0: scores soft-capped first.
 template <typename C>
 void attend(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Paged& pg,
             int64_t t_begin, int64_t t_end, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_size, float* row, float* scores, float* acc, float* maxes) {
+            int64_t head_size, float cap, float* row, float* scores, float* acc,
+            float* maxes) {
   const int64_t group = num_heads / num_kv_heads, len = t_end - t_begin;
 #if PAGEDSERVE_SIMD
   if (head_size % Vec::W == 0) {
     attend_simd<Vec>(q, kc, vc, pg, t_begin, t_end, num_heads, group, num_kv_heads, head_size,
-                     scores, acc, maxes, row);
+                     cap, scores, acc, maxes, row);
     return;
   }
 #endif
@@ -133,6 +142,7 @@ void attend(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Pa
       scores[h * len + t - t_begin] = s;
     }
   }
+  soft_cap(scores, num_heads * len, cap);
   softmax_rows(scores, num_heads, len, maxes);
   // Pass 2: acc[h] = sum_t p[h][t] * v_t.
   std::fill(acc, acc + num_heads * head_size, 0.f);
@@ -191,8 +201,8 @@ struct Parts {
 template <typename C>
 void attend_part(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Paged& pg,
                  int64_t t_begin,
-                 int64_t t_end, int64_t num_kv_heads, float* row, std::vector<float>& scores,
-                 Parts& parts, int64_t task) {
+                 int64_t t_end, int64_t num_kv_heads, float cap, float* row,
+                 std::vector<float>& scores, Parts& parts, int64_t task) {
   const int64_t num_heads = parts.num_heads, hd = num_heads * parts.head_size;
   float *pm = parts.max_at(task), *ps = parts.sum_at(task), *pa = parts.acc_at(task);
   if (t_begin == t_end) {  // an empty part: weight zero in the merge
@@ -203,7 +213,7 @@ void attend_part(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, con
   }
   const int64_t n = t_end - t_begin;
   scores.resize(num_heads * n);
-  attend(q, kc, vc, pg, t_begin, t_end, num_heads, num_kv_heads, parts.head_size, row,
+  attend(q, kc, vc, pg, t_begin, t_end, num_heads, num_kv_heads, parts.head_size, cap, row,
          scores.data(), pa, pm);
   for (int64_t h = 0; h < num_heads; ++h) {
     float sum = 0.f;
@@ -215,12 +225,18 @@ void attend_part(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, con
 
 // query_start_loc (nullable: one query per sequence): sequence i has queries
 // qsl[i]..qsl[i+1]-1, its last ones (a decode with speculative drafts); query j of q_len sees
-// the first seq_len - (q_len - 1 - j) tokens, i.e. each is a decode of its own.
+// the first seq_len - (q_len - 1 - j) tokens, i.e. each is a decode of its own. window > 0:
+// a query at position p reads only tokens p - window + 1..p (transformers' sliding window),
+// so the blocks before them are never touched; cap > 0: scores soft-capped.
 template <typename T, typename C>
 void decode(const T* query, const KvCache<C>& key_cache, const KvCache<C>& value_cache,
             const int32_t* block_table, const int32_t* seq_lens, const int32_t* query_start_loc,
             T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-            int64_t block_size, int64_t block_table_stride, float scale) {
+            int64_t block_size, int64_t block_table_stride, float scale, int64_t window,
+            float cap) {
+  const auto attended = [window](int64_t len) {
+    return window > 0 ? std::min(len, window) : len;
+  };
   const int64_t hd = num_heads * head_size;
   const int64_t token_stride = num_kv_heads * key_cache.head_stride();
   // One task per sequence: a token's K for every kv head is one contiguous row, so a block is
@@ -229,7 +245,7 @@ void decode(const T* query, const KvCache<C>& key_cache, const KvCache<C>& value
   int64_t splits = 1;
   const int64_t threads = omp_get_max_threads();
   if (!query_start_loc && num_seqs < threads) {
-    const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
+    const int64_t longest = attended(*std::max_element(seq_lens, seq_lens + num_seqs));
     splits = std::clamp<int64_t>(longest / kMinSplitTokens, 1, threads / num_seqs);
   }
   Parts parts{splits, num_heads, head_size, {}, {}, {}};
@@ -242,7 +258,7 @@ void decode(const T* query, const KvCache<C>& key_cache, const KvCache<C>& value
   // alone, no fork and join (a parallel region per layer is a barrier per layer, and each
   // barrier waits for a thread a busy neighbour may have preempted).
   int64_t total = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) total += seq_lens[i];
+  for (int64_t i = 0; i < num_seqs; ++i) total += attended(seq_lens[i]);
   const bool parallel = num_seqs * splits > 1 && total * num_heads >= kParallelMinWork;
 #pragma omp parallel if (parallel)
   {
@@ -255,19 +271,21 @@ void decode(const T* query, const KvCache<C>& key_cache, const KvCache<C>& value
       const Paged pg{block_table + seq * block_table_stride, block_size, token_stride,
                      block_size * token_stride};
       for (int64_t j = 0; j < q_len; ++j) {
-        const int64_t len = seq_lens[seq] - (q_len - 1 - j);
+        const int64_t end = seq_lens[seq] - (q_len - 1 - j), begin = end - attended(end);
+        const int64_t len = end - begin;
         const T* q_src = query + (q_begin + j) * hd;
         for (int64_t i = 0; i < hd; ++i) q[i] = load(q_src[i]) * scale;
         if (splits == 1) {
           scores.resize(num_heads * len);
-          attend(q.data(), key_cache, value_cache, pg, 0, len, num_heads, num_kv_heads,
-                 head_size, row.data(), scores.data(), acc.data(), nullptr);
+          attend(q.data(), key_cache, value_cache, pg, begin, end, num_heads, num_kv_heads,
+                 head_size, cap, row.data(), scores.data(), acc.data(), nullptr);
           finish(acc.data(), scores.data(), out + (q_begin + j) * hd, num_heads, head_size, len);
           continue;
         }
         const int64_t chunk = (len + splits - 1) / splits;
-        const int64_t t_begin = std::min(len, part * chunk), t_end = std::min(len, t_begin + chunk);
-        attend_part(q.data(), key_cache, value_cache, pg, t_begin, t_end, num_kv_heads,
+        const int64_t t_begin = begin + std::min(len, part * chunk);
+        const int64_t t_end = std::min(end, t_begin + chunk);
+        attend_part(q.data(), key_cache, value_cache, pg, t_begin, t_end, num_kv_heads, cap,
                     row.data(), scores, parts, task);
       }
     }
@@ -283,14 +301,14 @@ template <typename T>
 void decode_dispatch(const T* q, const void* kc, const void* vc, const int32_t* bt,
                      const int32_t* sl, const int32_t* qsl, T* out, int64_t n, int64_t h,
                      int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale,
-                     int64_t kv_kind) {
+                     int64_t kv_kind, int64_t window, float cap) {
   if (kv_kind == kKvNative) {
     const KvCache<T> k{static_cast<const T*>(kc), d}, v{static_cast<const T*>(vc), d};
-    decode(q, k, v, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+    decode(q, k, v, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, window, cap);
   } else {
     const KvCache<uint8_t> k{static_cast<const uint8_t*>(kc), d, kv_kind};
     const KvCache<uint8_t> v{static_cast<const uint8_t*>(vc), d, kv_kind};
-    decode(q, k, v, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale);
+    decode(q, k, v, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, window, cap);
   }
 }
 
@@ -301,19 +319,24 @@ extern "C" {
 // All tensors contiguous: query/out [num_queries, num_heads, head_size]; caches [num_blocks,
 // block_size, num_kv_heads, head_size] in the query's dtype (kv_kind 0), or 8-bit with rows of
 // head_size + 4 (kv_kind 1-3, kv_quant.h); block_table [num_seqs, block_table_stride] int32;
-// seq_lens [num_seqs] int32, each >= its number of queries; qsl [num_seqs + 1] int32 or null.
+// seq_lens [num_seqs] int32, each >= its number of queries; qsl [num_seqs + 1] int32 or null;
+// window: sliding window in tokens (0: none); cap: attention-logit soft cap (0: none).
 void paged_decode_attention_f32(const float* q, const void* kc, const void* vc,
                                 const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                                 float* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                                int64_t bs, int64_t bts, float scale, int64_t kv_kind) {
-  decode_dispatch(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, kv_kind);
+                                int64_t bs, int64_t bts, float scale, int64_t kv_kind,
+                                int64_t window, float cap) {
+  decode_dispatch(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, kv_kind, window,
+                  cap);
 }
 
 void paged_decode_attention_bf16(const uint16_t* q, const void* kc, const void* vc,
                                  const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                                  uint16_t* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                                 int64_t bs, int64_t bts, float scale, int64_t kv_kind) {
-  decode_dispatch(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, kv_kind);
+                                 int64_t bs, int64_t bts, float scale, int64_t kv_kind,
+                                 int64_t window, float cap) {
+  decode_dispatch(q, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale, kv_kind, window,
+                  cap);
 }
 
 }  // extern "C"

@@ -26,6 +26,8 @@ struct PrefillShape {
   int64_t group, num_heads, num_kv_heads, block_size, token_stride, block_stride;
   int64_t q_row_stride, block_table_stride;
   float scale;
+  int64_t window;  // sliding window in tokens, 0: none
+  float cap;       // attention-logit soft cap, 0: none
 };
 
 struct Tile {  // one task: rows r0..r0+W-1 of (token, head-in-group) for kv head kvh of seq
@@ -60,9 +62,11 @@ inline void load_chunk(const KvCache<C>& kc, const KvCache<C>& vc, const int32_t
 
 // One chunk of W keys against the tile's rows: scores, online-softmax update of m and l,
 // acc = acc * corr + p . V. qt/acc are [D][W] (lane-minor); pos: each lane's query position.
+// window > 0: a lane sees keys pos - window + 1..pos only; cap > 0: scores soft-capped.
 template <class V, int64_t D>
 inline void chunk_step(const float* qt, const float* kf, const float* vf, const int32_t* pos,
-                       int64_t t0, int64_t n, float* acc, typename V::F& m, typename V::F& l) {
+                       int64_t t0, int64_t n, int64_t window, float cap, float* acc,
+                       typename V::F& m, typename V::F& l) {
   constexpr int W = V::W;
   typename V::F sc[W];
   for (int i = 0; i < W; ++i) sc[i] = V::zero();
@@ -70,10 +74,13 @@ inline void chunk_step(const float* qt, const float* kf, const float* vf, const 
     const typename V::F qd = V::load(qt + d * W);
     for (int i = 0; i < W; ++i) sc[i] = V::fmadd(V::set1(kf[i * D + d]), qd, sc[i]);
   }
+  if (cap > 0.f)
+    for (int i = 0; i < W; ++i) sc[i] = vsoftcap<V>(sc[i], cap);
   typename V::M live[W];
   typename V::F mx = m;
   for (int i = 0; i < W; ++i) {  // key t0 + i is live for lanes at or after it
     live[i] = i < n ? V::ge(pos, t0 + i) : V::none();
+    if (window > 0) live[i] = V::both(live[i], V::lt(pos, t0 + i + window));
     mx = V::max_where(mx, live[i], sc[i]);
   }
   const typename V::F corr = vexp<V>(V::sub(m, mx));
@@ -115,10 +122,12 @@ void prefill_tile(const T* query, const KvCache<C>& kc, const KvCache<C>& vc,
   std::fill(acc, acc + D * W, 0.f);
   typename V::F m = V::set1(-1e30f), l = V::zero();  // finite: -ffast-math
   const int64_t kv_end = pos[W - 1] + 1;
-  for (int64_t t0 = 0; t0 < kv_end; t0 += W) {
+  // With a window the keys before the first lane's window are never read (nor their blocks).
+  const int64_t kv_begin = s.window > 0 ? std::max<int64_t>(0, pos[0] - s.window + 1) : 0;
+  for (int64_t t0 = kv_begin; t0 < kv_end; t0 += W) {
     const int64_t n = std::min<int64_t>(W, kv_end - t0);
     load_chunk<V, D>(kc, vc, blocks, s, tile.kvh, t0, n, kf, vf);
-    chunk_step<V, D>(qt, kf, vf, pos, t0, n, acc, m, l);
+    chunk_step<V, D>(qt, kf, vf, pos, t0, n, s.window, s.cap, acc, m, l);
   }
   alignas(64) float inv[W];
   V::store(V::div(V::set1(1.f), l), inv);
@@ -170,10 +179,11 @@ template <typename T>
 int prefill_dispatch(const T* q, int64_t q_row_stride, const void* kc, const void* vc,
                      const int32_t* bt, const int32_t* sl, const int32_t* qsl, T* out, int64_t n,
                      int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale,
-                     int64_t kv_kind) {
+                     int64_t kv_kind, int64_t window, float cap) {
 #if PAGEDSERVE_SIMD
   const int64_t row = kv_kind == kKvNative ? d : d + kScaleBytes;  // elements per head
-  const PrefillShape s{h / hkv, h, hkv, bs, hkv * row, bs * hkv * row, q_row_stride, bts, scale};
+  const PrefillShape s{h / hkv, h, hkv, bs, hkv * row, bs * hkv * row,
+                       q_row_stride, bts, scale, window, cap};
   if (kv_kind == kKvNative) {
     const KvCache<T> k{static_cast<const T*>(kc), d}, v{static_cast<const T*>(vc), d};
     return prefill_sizes(q, k, v, bt, sl, qsl, out, n, d, s);
@@ -184,6 +194,7 @@ int prefill_dispatch(const T* q, int64_t q_row_stride, const void* kc, const voi
 #else
   (void)q, (void)q_row_stride, (void)kc, (void)vc, (void)bt, (void)sl, (void)qsl, (void)out;
   (void)n, (void)h, (void)hkv, (void)d, (void)bs, (void)bts, (void)scale, (void)kv_kind;
+  (void)window, (void)cap;
   return 1;
 #endif
 }
@@ -193,23 +204,25 @@ int prefill_dispatch(const T* q, int64_t q_row_stride, const void* kc, const voi
 extern "C" {
 
 // query rows [T, >= num_heads * head_size] with row stride q_row_stride; out [T, num_heads,
-// head_size] contiguous; the rest as paged_decode_attention with qsl required. Returns 0, or
-// 1 when head_size is not 64 or 128 or this is the generic build (the caller falls back).
+// head_size] contiguous; the rest as paged_decode_attention with qsl required (window and
+// cap included). Returns 0, or 1 when head_size is not 64 or 128 or this is the generic
+// build (the caller falls back).
 int paged_prefill_attention_f32(const float* q, int64_t qs, const void* kc, const void* vc,
                                 const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                                 float* out, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                                int64_t bs, int64_t bts, float scale, int64_t kv_kind) {
+                                int64_t bs, int64_t bts, float scale, int64_t kv_kind,
+                                int64_t window, float cap) {
   return prefill_dispatch(q, qs, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale,
-                          kv_kind);
+                          kv_kind, window, cap);
 }
 
 int paged_prefill_attention_bf16(const uint16_t* q, int64_t qs, const void* kc,
                                  const void* vc, const int32_t* bt, const int32_t* sl,
                                  const int32_t* qsl, uint16_t* out, int64_t n, int64_t h,
                                  int64_t hkv, int64_t d, int64_t bs, int64_t bts, float scale,
-                                 int64_t kv_kind) {
+                                 int64_t kv_kind, int64_t window, float cap) {
   return prefill_dispatch(q, qs, kc, vc, bt, sl, qsl, out, n, h, hkv, d, bs, bts, scale,
-                          kv_kind);
+                          kv_kind, window, cap);
 }
 
 // Whether this build has the prefill kernel (the AVX2 and AVX-512 variants).

@@ -81,6 +81,11 @@ struct Avx2 {
     const __m256i before = _mm256_set1_epi32(static_cast<int32_t>(t - 1));
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(p, before));
   }
+  static M lt(const int32_t* pos, int64_t t) {  // lanes where pos[i] < t
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(t)), p));
+  }
+  static M both(M a, M b) { return _mm256_and_ps(a, b); }
   static M none() { return _mm256_setzero_ps(); }
   static F max_where(F a, M m, F b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
   static F keep(M m, F a) { return _mm256_and_ps(m, a); }  // a where m, else 0
@@ -133,6 +138,11 @@ struct Avx512 {
     const __m512i at = _mm512_set1_epi32(static_cast<int32_t>(t));
     return _mm512_cmp_epi32_mask(_mm512_loadu_si512(pos), at, _MM_CMPINT_NLT);
   }
+  static M lt(const int32_t* pos, int64_t t) {
+    const __m512i at = _mm512_set1_epi32(static_cast<int32_t>(t));
+    return _mm512_cmp_epi32_mask(_mm512_loadu_si512(pos), at, _MM_CMPINT_LT);
+  }
+  static M both(M a, M b) { return a & b; }
   static M none() { return 0; }
   static F max_where(F a, M m, F b) { return _mm512_mask_max_ps(a, m, a, b); }
   static F keep(M m, F a) { return _mm512_maskz_mov_ps(m, a); }
@@ -170,6 +180,15 @@ inline typename V::F vexp(typename V::F x) {
   p = V::fmadd(p, r, V::set1(5.0000001201e-1f));
   const typename V::F y = V::add(V::fmadd(p, V::mul(r, r), r), V::set1(1.f));
   return V::scale2(y, n);
+}
+
+// cap * tanh(x / cap) lane-wise (Gemma 2's attention-logit soft cap), as
+// 1 - 2 / (e^(2y) + 1): vexp's clamp keeps it finite and saturating at +-1.
+template <class V>
+inline typename V::F vsoftcap(typename V::F x, float cap) {
+  const typename V::F e = vexp<V>(V::mul(x, V::set1(2.f / cap)));
+  const typename V::F t = V::sub(V::set1(1.f), V::div(V::set1(2.f), V::add(e, V::set1(1.f))));
+  return V::mul(t, V::set1(cap));
 }
 #endif
 

@@ -42,3 +42,36 @@ def test_a_file_that_is_not_gguf_gets_gguf_pys_error(tmp_path):
     bad.write_bytes(b"not a gguf file at all, just bytes" * 4)
     with pytest.raises(ValueError):
         gf.open_gguf(bad)
+
+
+def test_gemma_config_reads_what_transformers_drops(tmp_path):
+    """llama.cpp's Gemma keys: the caps (0: none), Gemma 3's global RoPE scaling and fixed
+    local base, the 27B's hidden / heads scale (by its layer count), and ``<end_of_turn>``
+    beside the file's EOS."""
+    from gguf import GGUFWriter, RopeScalingType
+
+    path = tmp_path / "gemma3.gguf"
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_final_logit_softcapping(30.0)
+    w.add_rope_scaling_type(RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(8.0)
+    w.add_token_list(["<pad>", "<eos>", "<bos>", "hi", "<end_of_turn>"])
+    w.add_eos_token_id(1)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = {"num_attention_heads": 32, "hidden_size": 5376, "head_dim": 128,
+              "num_hidden_layers": 62, "rope_parameters": {
+                  "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+    fields = gf.gemma_config(path, config)
+    assert fields["final_logit_softcapping"] == 30.0 and "attn_logit_softcapping" not in fields
+    assert fields["query_pre_attn_scalar"] == 168  # 5376 / 32, not the head size 128
+    assert fields["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert fields["eos_token_id"] == [1, 4]
+    assert gf.gemma_config(path, {**config, "num_hidden_layers": 26})[
+        "query_pre_attn_scalar"] == 128

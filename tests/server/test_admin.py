@@ -228,7 +228,8 @@ async def test_stats_json_shape(client):
     assert set(s["kv_cache"]) == {
         "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "usage",
         "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
-        "num_shared_blocks", "num_copied_blocks_total"}
+        "num_shared_blocks", "num_copied_blocks_total", "sliding_window",
+        "num_released_blocks_total", "max_blocks_in_use"}
     assert set(s["steps"][0]) == {"batch_size", "prefill_tokens", "decode_tokens", "duration_ms"}
     assert set(s["throughput"]) == {"window_s", "prompt_tokens_per_s", "generation_tokens_per_s"}
     assert set(s["model"]) == {"name", "path", "dtype", "device", "quantization",

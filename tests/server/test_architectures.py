@@ -85,11 +85,11 @@ def test_max_model_len_follows_each_configs_rules():
 
 def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
+        {"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
     with pytest.raises(loader.ModelLoadError) as e:
         loader.load_config(tmp_path)
     msg = str(e.value)
-    assert "\n" not in msg and "Gemma2ForCausalLM" in msg and "'gemma2'" in msg
+    assert "\n" not in msg and "FalconForCausalLM" in msg and "'falcon'" in msg
     assert "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, " \
         "Qwen3ForCausalLM" in msg
 
@@ -136,7 +136,7 @@ async def test_qwen3_tensor_and_pipeline_parallel_match_transformers(qwen3_dir):
 # Families our Llama class serves, each with what sets it apart: Qwen2.5's q/k/v biases,
 # rope_theta 1e6 and the YaRN scaling its long-context configs add (a context of 4 x 512); Llama 3.x's frequency-dependent ``llama3`` RoPE scaling (an original
 # context of 64 so that every frequency band of 16-wide heads is touched); Mistral v0.1's
-# sliding window, which caps the context.
+# sliding window, applied (``test_sliding_window.py`` runs prompts past it).
 LLAMA_CLASS_FAMILIES = {
     "qwen2.5": (Qwen2Config, "Qwen2ForCausalLM", {"max_position_embeddings": 512,
                 "sliding_window": 16, "use_sliding_window": False,  # Qwen's configs: unused
@@ -187,9 +187,9 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
     assert registry.model_class(loader.load_config(tmp_path)) is LlamaForCausalLM
     async with serve(tmp_path, max_model_len=None) as client:
         models = (await client.get("/v1/models")).json()["data"]
-        # vLLM's rules: YaRN's factor times its original length; llama3 states its own; a
-        # sliding window we do not apply caps the context (within it attention is full).
-        short = family in ("mistral-v0.1", "phi3.5")  # a 64-token context
+        # vLLM's rules: YaRN's factor times its original length; llama3 states its own;
+        # Phi-3.5's short longrope range caps it; Mistral's window does not (it is applied).
+        short = family == "phi3.5"  # a 64-token context
         assert models[0]["max_model_len"] == (64 if short else 2048)
         for prompt in PROMPTS[1:] if not short else PROMPTS[:1]:
             want = hf_greedy(tmp_path, chat_prompt_ids(tmp_path, prompt), 16)
@@ -250,8 +250,16 @@ async def test_llama3_gguf_keeps_its_rope_scaling(tmp_path, default_model_dir):
             assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 16), prompt
 
 
-async def test_a_context_past_an_unapplied_sliding_window_is_refused(tmp_path, default_model_dir):
+async def test_a_context_past_an_unapplied_sliding_window_is_refused(tmp_path, default_model_dir,
+                                                                     monkeypatch):
+    """A model class that does not apply its config's window (none of ours now) caps the
+    context to it, as vLLM's --disable-sliding-window does."""
+    class Unwindowed(LlamaForCausalLM):
+        honours_sliding_window = False
+
     _family_dir("mistral-v0.1", tmp_path, default_model_dir)
+    monkeypatch.setitem(registry.ARCHITECTURES, "MistralForCausalLM", (Unwindowed, "mistral"))
+    assert registry.derived_max_model_len(loader.load_config(tmp_path)) == 64
     with pytest.raises(loader.ModelLoadError, match="sliding window .64 tokens.*--max-model-len 64"):
         async with serve(tmp_path, max_model_len=128):
             pass

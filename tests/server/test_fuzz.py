@@ -1,5 +1,6 @@
 """Hypothesis fuzz through a real server on the tiny model: any body gets a completion or an
-OpenAI-shaped 4xx, never a 500, and afterwards every KV block is back in the pool.
+OpenAI-shaped 4xx (Anthropic-shaped on ``/v1/messages``), never a 500, and afterwards every KV
+block is back in the pool.
 
 The input classes of issue 16's sweep: strings with lone surrogates (escaped, or as raw bytes)
 and digits ``int()`` reads differently from ASCII (``"²"``, ``"٣"``, ``"--5"``); nesting past
@@ -53,8 +54,11 @@ def _with(good, *extra):
 
 
 _content = _strings | st.lists(st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", "input_audio", 5]),
-     "text": _strings | _any}), max_size=2) | _any
+    {"type": st.sampled_from(["text", "image_url", "input_audio", 5, "image", "tool_use",
+                              "tool_result"]),
+     "text": _strings | _any}, optional={"id": _strings, "name": _strings, "input": _any,
+                                         "tool_use_id": _strings, "content": _any}),
+    max_size=2) | _any
 _fields = {
     "model": _with(st.sampled_from(["tiny-llama", "other"])),
     "messages": _with(st.lists(st.fixed_dictionaries(
@@ -79,6 +83,16 @@ _fields = {
     "continue_final_message": _with(st.booleans()),
     "cache_salt": _with(st.text(max_size=4)), "tokens": _with(st.lists(st.integers(-3, 60000))),
     "ignore_eos": _with(st.booleans()),
+    # The Messages API's own fields.
+    "system": _with(_strings, st.lists(st.fixed_dictionaries(
+        {"type": st.just("text"), "text": _strings}), max_size=2)),
+    "stop_sequences": _with(st.lists(_strings, max_size=3)),
+    "tools": _with(st.lists(st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"]), "input_schema": st.just({"type": "object"})},
+        optional={"type": _strings}), max_size=2)),
+    "tool_choice": _with(st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "some"])},
+        optional={"name": st.sampled_from(["f", "g", "h"])})),
 }
 # A valid body per route with one or two of its fields replaced, so that a hostile value gets
 # past the others and as deep into the server as it can go; and now and then a body all random.
@@ -90,6 +104,10 @@ ROUTES = {  # route: (valid body, the fields it reads)
     "/v1/completions": ({"prompt": "Once upon", "max_tokens": 4}, [*_SAMPLING, "prompt", "echo"]),
     "/tokenize": ({"prompt": "Hello"}, ["prompt", "messages", "model"]),
     "/detokenize": ({"tokens": [1, 2, 3]}, ["tokens", "model"]),
+    "/v1/messages": ({"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}],
+                      "max_tokens": 4},
+                     ["model", "messages", "max_tokens", "temperature", "top_p", "top_k",
+                      "stream", "system", "stop_sequences", "tools", "tool_choice"]),
 }
 
 
@@ -171,9 +189,16 @@ def test_fuzzed_bodies_never_500(fuzz_server, request, raw_surrogates):
     r = client.post(path, content=encode(body, raw_surrogates),
                     headers={"content-type": "application/json"})
     assert r.status_code in (200, 400, 404), (r.status_code, r.text)
-    if r.status_code != 200:
+    if r.status_code != 200 and path == "/v1/messages":  # Anthropic's error shape
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+    elif r.status_code != 200:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == r.status_code
+    elif path == "/v1/messages" and r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.rstrip().endswith('data: {"type": "message_stop"}'), r.text
+        assert "event: error" not in r.text
+    elif path == "/v1/messages":
+        assert r.json()["type"] == "message"
     elif path in ("/tokenize", "/detokenize"):
         assert r.json()
     elif r.headers["content-type"].startswith("text/event-stream"):

@@ -204,6 +204,8 @@ ROUTE_ACCESS = [
     ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, 401, 200),
     ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1}, 401, 200),
     ("GET", "/v1/responses/resp_none", None, 401, 404),
+    ("POST", "/v1/messages", {"model": TINY_NAME, "messages": MSGS, "max_tokens": 1}, 401, 200),
+    ("POST", "/v1/messages/count_tokens", {"model": TINY_NAME, "messages": MSGS}, 401, 200),
     ("GET", "/v1/models", None, 401, 200), ("GET", "/v1/models/tiny-llama", None, 401, 200),
     ("POST", "/tokenize", {"prompt": "Hi"}, 401, 200),
     ("POST", "/detokenize", {"tokens": [1, 2]}, 401, 200),
