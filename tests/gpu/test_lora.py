@@ -174,3 +174,27 @@ async def test_torch_reference_path_equals_peft(tiny_model_dir, adapters, monkey
         assert await _run(engine, jobs) == want
     finally:
         await engine.shutdown()
+
+
+async def test_max_loras_makes_another_adapter_wait(tiny_model_dir, adapters):
+    """--max-loras 1: while one adapter's request runs, another adapter's waits (and, first
+    in the queue, the base request behind it), and both run once the first is done."""
+    a8, r4 = LoRARequest("a8", 1, str(adapters["a8"])), LoRARequest("r4", 2, str(adapters["r4"]))
+    ids = _prompts(1, 11)[0]
+    engine = await AsyncEngine.start(_lora_engine_config(tiny_model_dir, max_loras=1))
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    try:
+        first = await engine.add_request("long-a8", ids, long, lora_request=a8)
+        await anext(aiter(first))  # running
+        waiting = asyncio.ensure_future(_run(engine, [(ids, r4), (ids, None)]))
+        while True:
+            sched = (await engine.get_stats()).scheduler
+            if sched.waiting_lora_adapters or sched.num_running > 1:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.running_lora_adapters == {"a8": 1}
+        assert sched.waiting_lora_adapters == {"r4": 1} and sched.max_lora == 1
+        first.close()
+        assert await waiting == _oracle(tiny_model_dir, adapters, [(ids, r4), (ids, None)])
+    finally:
+        await engine.shutdown()
