@@ -32,6 +32,9 @@ class SchedulerConfig:
                 "assumed to get one token); with -pp N, N batches in flight; not with "
                 "--speculative-config or -tp alone",
     })
+    # Not a flag: off for an encoder (``--runner pooling`` on BERT), whose bidirectional
+    # attention needs each prompt whole in one step (vLLM turns it off for those too).
+    enable_chunked_prefill: bool = True
     speculative: SpeculativeConfig | None = field(default=None, metadata={
         "help": 'speculative decoding as JSON: n-gram drafts, e.g. \'{"method": "ngram", '
                 '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '

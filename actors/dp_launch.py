@@ -109,11 +109,15 @@ async def start_engine(config: EngineConfig, dp: DataParallelConfig,
     else the router over every rank's ``EngineCoreClient``.
 
     Raises:
-        ValueError: a layout that cannot be served, or an engine that failed to start.
+        ValueError: a layout that cannot be served (a pooling model's too), or an engine
+            that failed to start.
     """
     dp.check()
     if not dp.in_processes:
         return await AsyncEngine.start(config)
+    if config.model.runner == "pooling" or config.model.convert == "embed":
+        raise ValueError("a pooling model (--runner pooling, --convert embed) is not served "
+                         "with data parallelism yet: drop -dp")
     return await start_engine_processes(config, dp, log_level)
 
 

@@ -33,6 +33,7 @@ from pagedserve.actors.messages import (
     NotifyWhenIdle,
     ResetPrefixCache,
 )
+from pagedserve.actors.pooling import PoolingOutput, pooling_scheduler_config, run_pooling
 from pagedserve.actors.request import Request, RequestOutput
 from pagedserve.actors.request_stream import (
     GenerateMixin,
@@ -53,6 +54,7 @@ from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, Pa
 from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
 from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
 
@@ -134,17 +136,17 @@ class AsyncEngine(GenerateMixin):
                 f"raise --kv-cache-memory-bytes / --gpu-memory-utilization / "
                 f"--num-gpu-blocks-override or lower --max-model-len"
             )
-        kv = KVCacheManager(
-            info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_caching_hash_algo, info.kv_sliding_window,
-        )
+        scheduler_config, caching = pooling_scheduler_config(
+            config.scheduler, info, config.cache.enable_prefix_caching)
+        kv = KVCacheManager(info.num_blocks, info.block_size, caching,
+                            config.cache.prefix_caching_hash_algo, info.kv_sliding_window)
         vocab_size = (await asyncio.to_thread(loader.load_config, Path(info.path))).vocab_size
         structured_output = StructuredOutputManager(
             tokenizer, vocab_size, info.eos_token_ids, config.structured_output)
         await structured_output.wait_ready()
         stat_loggers: list[StatLogger] = []
         connector = make_scheduler_connector(config.cache.kv_transfer_config, info.block_size)
-        scheduler = Scheduler(config.scheduler, kv, executor, info.max_model_len, stat_loggers,
+        scheduler = Scheduler(scheduler_config, kv, executor, info.max_model_len, stat_loggers,
                               connector)
         executor.start()
         scheduler.start()
@@ -202,8 +204,11 @@ class AsyncEngine(GenerateMixin):
         Raises:
             EngineOverloaded: the waiting queue is full.
             DuplicateRequestId: a live request has this id.
+            ValueError: the model is served for pooling (``--runner pooling``).
             ValueError: ``grammar`` is not the compile of ``params.structured_outputs``.
         """
+        if self.info.runner == "pooling":  # its steps pool and never sample: it would not end
+            raise ValueError("a pooling model (--runner pooling) does not generate: use encode")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
                           priority=priority, cache_salt=cache_salt,  # params: for a connector
@@ -258,6 +263,21 @@ class AsyncEngine(GenerateMixin):
             raise
         return BeamSearchStream(self.scheduler, request, RequestMetrics(self.stat_loggers))
 
+    async def encode(
+        self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+        priority: int = 0, cache_salt: str | None = None,
+    ) -> PoolingOutput:
+        """Run one pooling request (``--runner pooling``): its prompt's prefill through the
+        scheduler, then its vector (``actors/pooling.py``).
+
+        Raises:
+            ValueError: the model is not served by the pooling runner.
+            EngineOverloaded, DuplicateRequestId: as ``add_request``.
+            EngineShuttingDown, EngineError: the server aborted it, or it failed.
+        """
+        return await run_pooling(self.scheduler, self.info, self.stat_loggers, request_id,
+                                 prompt_token_ids, params, priority, cache_salt)
+
     async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledConstraint:
         """Compile (or find cached) a guided-decoding constraint before starting a request;
         pass the result to ``add_request`` (``grammar=``) with ``spec`` in its params.
@@ -309,6 +329,8 @@ class AsyncEngine(GenerateMixin):
         and bytes, on the CPU what the kernels run, ``cpu_isa``: their tier with ``_vnni`` where
         the int8 kernel uses VNNI, ``cpu_ops.isa_level()``) filled in."""
         config = asdict(self.config)
+        # The scheduler's own: a pooling encoder runs whole prompts (actors/pooling.py).
+        config["scheduler"] = asdict(self.scheduler.config)
         config["model"].update(model=self.info.source, dtype=self.info.dtype,
                                device=self.info.device, max_model_len=self.info.max_model_len,
                                quantization=self.info.quantization,

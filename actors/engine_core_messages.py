@@ -56,6 +56,8 @@ from pagedserve.actors.structured_output import GrammarError
 from pagedserve.actors.structured_output_config import StructuredOutputConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.pooling_params import PoolerConfig, PoolingType
+from pagedserve.gpu.pooling_runner import PoolingInfo
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -246,14 +248,14 @@ _ALLOWED: tuple[type, ...] = (
     BeamSearchOutput, BeamHypothesis, StepStats, RequestUpdate, FinishedRequest, EngineStats,
     SchedulerStats, KVCacheStats, RequestStats, SpecDecodeStats, Throughput, ModelInfo,
     ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
-    StructuredOutputConfig, EngineConfig,
+    StructuredOutputConfig, EngineConfig, PoolerConfig, PoolingInfo,
     kv_events.KVEventBatch, kv_events.BlockStored, kv_events.BlockRemoved,
     kv_events.AllBlocksCleared, kv_events.EngineLoad,
 )
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in _ALLOWED}
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls) if f.init) for cls in _ALLOWED}
-_ENUMS: dict[str, type[enum.Enum]] = {}  # none travel yet; add an enum's class here
+_ENUMS: dict[str, type[enum.Enum]] = {"PoolingType": PoolingType}  # add an enum's class here
 
 
 _MARK = object()  # what the marker extension decodes to, at the head of a dataclass's array

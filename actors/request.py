@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.gpu.lora.request import LoRARequest
+from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class RequestOutput:
         prompt_logprobs: on the first output of a request that asked: one per prompt token
             after the first (``Request.prompt_logprobs``).
         num_cached_tokens: on the first output, the prompt tokens the prefix cache held.
+        pooled: a pooling request's one output: its embedding or class scores.
     """
 
     new_token_ids: list[int]
@@ -63,6 +65,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +104,8 @@ class Request:
     @property
     def lora_int_id(self) -> int | None:
         return None if self.lora_request is None else self.lora_request.lora_int_id
+    # A pooling request (``--runner pooling``): prefill only, then one pooled output.
+    pooling_params: PoolingParams | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -118,8 +123,11 @@ class Request:
     def skip_reading_prefix_cache(self) -> bool:
         """Prompt logprobs come from the prefill's logits, so a request that wants them
         computes its whole prompt: it takes no prefix-cache hit (its blocks are still cached
-        for others). vLLM V1 does the same."""
-        return self.sampling_params.prompt_logprobs is not None
+        for others). vLLM V1 does the same. So does a pooling request whose pooling reads
+        every prompt token's hidden state (MEAN, CLS: ``PoolingType.needs_whole_prompt``)."""
+        pooling = self.pooling_params
+        return (self.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and pooling.skip_reading_prefix_cache))
 
     def prompt_logprobs_wanted(self, start: int, n: int) -> PromptLogprobsWanted | None:
         """What the runner needs to compute prompt logprobs for the chunk of ``n`` tokens at

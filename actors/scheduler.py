@@ -75,6 +75,7 @@ class Scheduler(Actor):
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.num_preemptions = 0
+        self.num_pooling_finished_total = 0  # pooling requests ended with their vector
         self.spec_decode = SpecDecodeStats()  # speculative decoding's totals
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
@@ -144,6 +145,7 @@ class Scheduler(Actor):
             merged.sampled_token_ids.update(out.sampled_token_ids)
             merged.logprobs.update(out.logprobs)
             merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.pooler_output.update(out.pooler_output)
             merged.add_transfers(out)
         return merged
 
@@ -356,6 +358,9 @@ class Scheduler(Actor):
                         out: ModelRunnerOutput, now: float) -> None:
         """Apply one running request's step: its computed tokens, its sampled tokens (to the
         beam search for a beam), its stop check, and its output to its queue."""
+        if request.pooling_params is not None:
+            self._update_pooling(request, sr, out)
+            return
         if sr.req_id in out.prompt_logprobs:
             request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
         new = out.sampled_token_ids.get(sr.req_id)
@@ -389,6 +394,22 @@ class Scheduler(Actor):
             if request.sampling_params.prompt_logprobs is not None:
                 output.prompt_logprobs = request.prompt_logprobs
         request.output_queue.put_nowait(output)
+
+    def _update_pooling(self, request: Request, sr: ScheduledRequest,
+                        out: ModelRunnerOutput) -> None:
+        """A pooling request's chunk: its tokens computed; after the last one (the runner
+        pooled it), it ends with its vector: no decode follows (vLLM V1's pooling path)."""
+        request.num_computed_tokens += len(sr.token_ids)
+        pooled = out.pooler_output.get(sr.req_id)
+        if pooled is None:
+            if sr.sample:  # the last chunk ran, yet no vector: the runner did not pool it
+                self._fail_request(sr.req_id, RuntimeError("the model returned no pooled output"))
+            return
+        request.first_token_time = time.monotonic()
+        self.num_pooling_finished_total += 1
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        request.output_queue.put_nowait(RequestOutput(
+            [], "stop", num_cached_tokens=request.num_cached_tokens, pooled=pooled))
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

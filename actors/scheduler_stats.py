@@ -70,6 +70,9 @@ def snapshot(self: Scheduler) -> StatsSnapshot:
         running_lora_adapters=_adapters(self.running),
         waiting_lora_adapters=_adapters(self.waiting),
         max_lora=self.config.max_loras,
+        num_pooling_running=sum(r.pooling_params is not None for r in self.running),
+        num_pooling_waiting=sum(r.pooling_params is not None for r in self.waiting),
+        num_pooling_finished_total=self.num_pooling_finished_total,
     )
     pool = self.kv.block_pool
     kv = KVCacheStats(

@@ -74,6 +74,8 @@ class RequestUpdate:
         e2e_s: arrival → end, on the last update.
         finished: the whole request's figures, on the last update (vLLM's per-request
             histograms).
+        pooling: a pooling request's one update (``actors/pooling.py``): its prompt and its
+            end, counted apart from generation requests.
     """
 
     num_prompt_tokens: int = 0
@@ -83,6 +85,7 @@ class RequestUpdate:
     finish_reason: str | None = None
     e2e_s: float | None = None
     finished: FinishedRequest | None = None
+    pooling: bool = False
 
 
 @dataclass(slots=True)
@@ -167,7 +170,8 @@ class RequestStats:
         num_cached_tokens: prompt tokens found in the prefix cache at its last admission.
         num_blocks: KV blocks it holds now.
         age_s: arrival → the snapshot.
-        ttft_s: arrival → first token, once there is one.
+        ttft_s: arrival → first token, once there is one (a pooling request: its vector).
+        kind: ``generate`` or ``pooling``.
     """
 
     request_id: str
@@ -181,6 +185,7 @@ class RequestStats:
     num_preemptions: int
     age_s: float
     ttft_s: float | None
+    kind: str = "generate"
 
     @classmethod
     def of(cls, request: Request, num_blocks: int, now: float) -> RequestStats:
@@ -191,6 +196,7 @@ class RequestStats:
             request.num_computed_tokens, num_blocks, request.num_cached_tokens,
             request.num_preemptions, now - request.arrival_time,
             None if first is None else first - request.arrival_time,
+            "generate" if request.pooling_params is None else "pooling",
         )
 
 
@@ -282,6 +288,11 @@ class SchedulerStats:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     max_lora: int = 0
+    # Pooling requests (``--runner pooling``), apart from generation: live now (also in
+    # num_running / num_waiting) and finished with their vector since start.
+    num_pooling_running: int = 0
+    num_pooling_waiting: int = 0
+    num_pooling_finished_total: int = 0
 
 
 @dataclass(slots=True)

@@ -119,6 +119,9 @@ class StepPlanner:
             look = (Lookup(*self.kv.get_computed_blocks(request)) if self.transfer is None
                     else self.transfer.lookup(request))
             n = 0 if look.load_async else min(request.num_tokens - look.num_computed, budget)
+            whole = request.num_tokens - look.num_computed
+            if not self.config.enable_chunked_prefill and n < whole:
+                break  # the prompt runs whole or waits for a step with room for it
             if self.kv.allocate_slots(request, look.num_external + n, look.hits,
                                       delay_cache=look.num_external > 0) is None:
                 break
@@ -178,4 +181,5 @@ class StepPlanner:
             sample=start + n == request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )

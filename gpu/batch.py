@@ -11,6 +11,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from pagedserve.gpu.lora.request import LoRARequest
+from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class ScheduledRequest:
         prompt_logprobs: set on a prefill chunk whose request wants prompt logprobs (its
             logits rows are computed too: ``gpu/prompt_logprobs.py``); else ``None``.
         lora_request: the adapter the request runs with (``gpu/lora/``); ``None``: the base.
+        pooling_params: a pooling request's (``--runner pooling``): its chunks are pooled
+            (``gpu/pooler.py``) and nothing is sampled; ``sample`` marks its last chunk.
     """
 
     req_id: str
@@ -70,6 +73,7 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsWanted | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_step_tokens(self) -> int:
@@ -184,6 +188,9 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    # Pooling (``--runner pooling``): each request whose prefill ended this step, its vector
+    # (an embedding, or a classifier's scores).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     def add_transfers(self, other: ModelRunnerOutput) -> None:
         """Take ``other``'s KV connector reports too (the scheduler's per-request reruns)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedserve.gpu.kv_connector.base import KVTransferConfig
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
 from pagedserve.gpu.lora.config import LoRAConfig
+from pagedserve.gpu.pooling_params import PoolerConfig, parse_pooler_config
 
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
@@ -87,6 +88,23 @@ class ModelConfig:
     # --enable-lora's limits (``gpu/lora/config.py``; set from its flags): every rank's
     # runner wraps its projections with adapter slots. ``None``: no LoRA.
     lora: LoRAConfig | None = None
+    runner: str = field(default="auto", metadata={
+        "help": "generate: text generation; pooling: embeddings and scores (/v1/embeddings, "
+                "/pooling, /score, /rerank; prefill only); auto = pooling for BertModel / "
+                "BertForSequenceClassification checkpoints or with --convert, else generate",
+        "choices": ("auto", "generate", "pooling"),
+    })
+    convert: str = field(default="auto", metadata={
+        "help": "embed: serve a decoder (Llama, Qwen...) as an embedding model (final hidden "
+                "states, last-token pooling unless --pooler-config says otherwise); implies "
+                "--runner pooling",
+        "choices": ("auto", "none", "embed"),
+    })
+    pooler_config: PoolerConfig | None = field(default=None, metadata={
+        "help": 'pooling as JSON (vLLM\'s keys), e.g. \'{"pooling_type": "MEAN", "normalize": '
+                'true, "dimensions": 256}\' (pooling_type: LAST, MEAN or CLS)',
+        "parse": parse_pooler_config, "default_text": "the model's",
+    })
 
 
 @dataclass(slots=True)

@@ -275,7 +275,11 @@ def load_weights(model: torch.nn.Module, path: Path,
     """
     state = load_state_dict(path) if state is None else state
     _stack_params(state, getattr(model, "stacked_params", ()))
-    if "lm_head.weight" not in state and getattr(model.config, "tie_word_embeddings", False):
+    remap = getattr(model, "remap_state", None)  # names that differ between checkpoints (BERT)
+    if remap is not None:
+        remap(state)
+    if ("lm_head.weight" not in state and "model.embed_tokens.weight" in state
+            and getattr(model.config, "tie_word_embeddings", False)):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = [n for n in params if n not in state]

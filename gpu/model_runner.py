@@ -33,10 +33,12 @@ from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.lora.manager import LoRAManager, lora_kernel
 from pagedserve.gpu.models import registry
+from pagedserve.gpu.models.adapters import CausalLMForEmbedding
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
+from pagedserve.gpu.pooling_runner import PoolingInfo, PoolingRunner
 from pagedserve.gpu.prev_sampled import PrevSampled
 from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.sampler import SampleRow, sample
@@ -71,6 +73,8 @@ class ModelInfo:
     parallel_layout: list[dict] | None = None
     cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
     weights_resident: dict | None = None  # a GGUF's weights: form and bytes (``ModelRunner``)
+    runner: str = "generate"  # or "pooling" (``--runner``): prefill-only requests, pooled
+    pooling: PoolingInfo | None = None  # the pooling model's settings (``--runner pooling``)
     # Every layer's window (the largest), when blocks before it may be released
     # (``ModelRunner.kv_sliding_window``); None: every block stays.
     kv_sliding_window: int | None = None
@@ -125,6 +129,7 @@ class ModelRunner:
         self.draft = DraftModel(draft) if draft is not None else None
         self.kv_connector: worker_step.ConnectorStep | None = None  # load(), when configured
         self.lora: LoRAManager | None = None  # _build_model(), with --enable-lora
+        self.pooling: PoolingRunner | None = None  # --runner pooling: steps pool, never sample
 
     def load(self) -> ModelInfo:
         """Resolve, load and size everything. Raises ``loader.ModelLoadError``, ``ValueError``."""
@@ -149,7 +154,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._log_memory()
         # LoRA steps map rows to adapters per step: eager (graphs capture no mapping).
-        if self.device.type == "cuda" and not mc.enforce_eager and self.lora is None:
+        if (self.device.type == "cuda" and not mc.enforce_eager and self.pooling is None
+                and self.lora is None):
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
@@ -161,6 +167,7 @@ class ModelRunner:
         mc = self.model_config
         self.hf_config = loader.load_config(resolved.path)
         self.max_model_len = mc.max_model_len or registry.derived_max_model_len(self.hf_config)
+        runner = registry.resolve_runner(self.hf_config, mc.runner, mc.convert)
         window = registry.unhonoured_sliding_window(self.hf_config)
         if window is not None and self.max_model_len > window:
             raise loader.ModelLoadError(
@@ -203,7 +210,19 @@ class ModelRunner:
                                     shard, lora_kernel(self.device, self.dtype, mc.lora))
         self.model = model.eval()
         self.eos_token_ids = self._eos_token_ids(resolved.path)
+        if runner == "pooling":
+            self._build_pooling(resolved)
         return model_bytes
+
+    def _build_pooling(self, resolved: loader.ResolvedModel) -> None:
+        """``--runner pooling``: the model's final hidden states go to a pooler (a decoder
+        through its embedding adapter, an encoder as it is)."""
+        if self.draft is not None:
+            raise ValueError("--speculative-config does not apply to a pooling model")
+        model = (self.model if hasattr(self.model, "hidden_states")
+                 else CausalLMForEmbedding(self.model))
+        self.pooling = PoolingRunner(model, self.hf_config, self.model_config.pooler_config,
+                                     resolved.path, self.block_size, self.device)
 
     def _load_folder(self, resolved: loader.ResolvedModel, ops, layout,
                      plan) -> LlamaForCausalLM:
@@ -244,6 +263,10 @@ class ModelRunner:
         """As many blocks as the budget holds (on CUDA, after profiling the largest step), then
         the per-layer K/V tensors."""
         cc = self.cache_config
+        if self.pooling is not None and not self.pooling.info.needs_kv_cache:
+            self.num_blocks = self.pooling.num_virtual_blocks(  # an encoder: no K/V tensors
+                self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+            return
         activation_bytes = None
         if self.device.type == "cuda" and kv_cache.needs_profiling(cc):
             activation_bytes = self._profile_activation_bytes()
@@ -279,6 +302,8 @@ class ModelRunner:
             kv_cache_bytes=sum(t.nbytes for kv in self.kv_caches for t in kv)
             + sum(t.nbytes for kv in (self.draft.kv_caches if self.draft else []) for t in kv),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            runner="generate" if self.pooling is None else "pooling",
+            pooling=None if self.pooling is None else self.pooling.info,
             kv_sliding_window=self.kv_sliding_window(),
         )
 
@@ -321,8 +346,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        logits = self.model(prepare_inputs(reqs, self.block_size, self.device), scratch)
-        sample(logits, [SampleRow(r.sampling_params, None, [], [], []) for r in reqs])
+        if self.pooling is not None:  # prefill only: the forward and the pooler
+            logits = self.pooling.execute(reqs, scratch)
+        else:
+            logits = self.model(prepare_inputs(reqs, self.block_size, self.device), scratch)
+            sample(logits, [SampleRow(r.sampling_params, None, [], [], []) for r in reqs])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch, logits
@@ -382,6 +410,8 @@ class ModelRunner:
             self.prev_sampled.forget(req_id)
             if self.draft is not None:
                 self.draft.forget(req_id)
+            if self.pooling is not None:
+                self.pooling.forget(req_id)
         kv_cache.copy_blocks(self.kv_caches, so.blocks_to_copy)  # beams' copy-on-write
         if self.draft is not None and self.draft.kv_caches:  # the draft's KV shares block ids
             kv_cache.copy_blocks(self.draft.kv_caches, so.blocks_to_copy)
@@ -389,6 +419,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         if self.threads is not None:  # fewer CPU threads while another process holds a core
             self.threads.tick()
+        if self.pooling is not None:
+            return self.pooling.execute(so.scheduled, self.kv_caches)
         if self.draft is not None:
             self._propose_drafts(so.scheduled)
         verify_start = time.perf_counter()

@@ -20,10 +20,12 @@ from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body_for
 from pagedserve.server.lora_modules import lora_routes
 from pagedserve.server.middleware import DEFAULT_BODY_READ_TIMEOUT_S, RequestGuard, ServerLoad
+from pagedserve.server.pooling_serving import PoolingServing
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses_api import ResponsesServing
 from pagedserve.server.responses_store import ResponseStore
+from pagedserve.server.scoring import Scoring
 from pagedserve.server.serving import Serving, ServingConfig
 from pagedserve.server.tool_calling import tool_dicts
 from pagedserve.server.vllm_routes import doc_routes, vllm_routes
@@ -47,6 +49,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
     """The ASGI app: routes behind the guard (``config.api_key``, body size limit and read
     timeout, access log)."""
     serving = Serving(engine, config)
+    pooling = PoolingServing(serving)
     load = ServerLoad(config.enable_server_load_tracking)
 
     async def version_route(request: Request) -> JSONResponse:
@@ -62,6 +65,8 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         Route("/v1/chat/completions", serving.chat, methods=["POST"]),
         Route("/v1/completions", serving.completion, methods=["POST"]),
         *ResponsesServing(serving, ResponseStore(config.max_stored_responses)).routes(),
+        *pooling.routes(),
+        *Scoring(pooling).routes(),
         *MessagesServing(serving).routes(),
         *_model_routes(engine, serving),
         *_tokenizer_routes(engine, serving),

@@ -109,8 +109,9 @@ class EngineMetrics:
     def __init__(self, parents: dict[str, Any], values: tuple[str, ...]):
         self.values = values
         self.request_success = parents["request_success"]
+        self.pooling_success = parents["pooling_success"]
         for attr, parent in parents.items():
-            if attr != "request_success":
+            if attr not in ("request_success", "pooling_success"):
                 setattr(self, attr, parent.labels(*values))
         for reason in FINISH_REASONS:  # shown as 0 before the first one happens
             self.request_success.labels(*values, reason)
@@ -121,6 +122,13 @@ class EngineMetrics:
             self.queue_time.observe(q)
 
     def record_request(self, update: RequestUpdate) -> None:
+        if update.pooling:  # apart from generation: no tokens out, no TTFT
+            self.prompt_tokens.inc(update.num_prompt_tokens)
+            if update.finish_reason is not None:
+                self.pooling_success.labels(*self.values, update.finish_reason).inc()
+            if update.e2e_s is not None:
+                self.pooling_e2e.observe(update.e2e_s)
+            return
         if update.num_prompt_tokens:
             self.prompt_tokens.inc(update.num_prompt_tokens)
         if update.num_generation_tokens:
@@ -180,6 +188,14 @@ class PrometheusStatLogger:
             "request_success": Counter(
                 self.prefix + "request_success", "Finished requests, by finish reason.",
                 [*labels, "finished_reason"], registry=self.registry),
+            "pooling_success": Counter(
+                self.prefix + "pooling_request_success",
+                "Finished pooling requests (embeddings, scores), by finish reason.",
+                [*labels, "finished_reason"], registry=self.registry),
+            "pooling_e2e": Histogram(
+                self.prefix + "pooling_request_latency_seconds",
+                "Arrival to end of a pooling request.", labels, buckets=REQUEST_BUCKETS,
+                registry=self.registry),
         }
         for attr, name, doc, buckets in _histogram_specs(buckets_1_2_5(max_model_len)):
             parents[attr] = Histogram(self.prefix + name, doc, labels, buckets=buckets,

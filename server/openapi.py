@@ -20,6 +20,12 @@ from starlette.routing import BaseRoute, Route
 
 from pagedserve.server.anthropic.errors import is_messages_path
 from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedserve.server.pooling_protocol import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +44,10 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/invocations": (ChatCompletionRequest, CompletionRequest),
     "/tokenize": (TokenizeRequest,),
     "/detokenize": (DetokenizeRequest,),
+    "/v1/embeddings": (EmbeddingRequest,),
+    "/pooling": (PoolingRequest,),
+    **dict.fromkeys(("/score", "/v1/score"), (ScoreRequest,)),
+    **dict.fromkeys(("/rerank", "/v1/rerank", "/v2/rerank"), (RerankRequest,)),
 }
 # What each route does, for /docs' "what" column and the spec's summaries (a handler's
 # docstring is for whoever reads the code; this is for whoever calls the route).
@@ -70,6 +80,12 @@ SUMMARIES: dict[str, str] = {
     "/admin/events": "Stats snapshots as an SSE stream.",
     "/metrics": "Prometheus metrics (--metrics-prefix vllm: vLLM's names).",
     "/favicon.ico": "The pages' icon.",
+    "/v1/embeddings": "Embeddings (OpenAI): one vector per input (--runner pooling).",
+    "/pooling": "vLLM's raw pooling output per input: an embedding, or a classifier's scores.",
+    **dict.fromkeys(("/score", "/v1/score"), "Scores of text pairs: a cross-encoder's, or the "
+                    "cosine of their embeddings (vLLM's shape)."),
+    **dict.fromkeys(("/rerank", "/v1/rerank", "/v2/rerank"), "Documents ranked by relevance "
+                    "to a query (Jina's and Cohere's shape)."),
 }
 _REF = "#/components/schemas/{model}"
 _ERROR = {

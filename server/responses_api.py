@@ -80,6 +80,7 @@ class ResponsesServing:
 
     async def create(self, request: Request) -> Response:
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
+        self.serving.check_generates("Responses API")
         self.serving.check_model(body.model)
         turn = await self._start(request, body)
         headers = {"X-Request-Id": turn.engine_id}

@@ -120,6 +120,11 @@ class Serving:
 
     # -- shared validation -------------------------------------------------------------------
 
+    def check_generates(self, api: str) -> None:
+        """vLLM's 400 for a generation endpoint on a pooling model (``--runner pooling``)."""
+        if self.engine.info.runner == "pooling":
+            raise OpenAIError(f"The model does not support {api}")
+
     def check_model(self, model: str | None) -> None:
         """A 404 for a ``model`` that is neither a served name nor a LoRA adapter's."""
         if (model is not None and model not in self.config.served_model_name
@@ -252,6 +257,7 @@ class Serving:
         """What a chat request means for the engine: the model checked, the tool plan (its
         schemas compiled), the prompt rendered and the sampling parameters; every 400 of the
         chat path. Also the Messages API's first step (``server/anthropic/serving.py``)."""
+        self.check_generates("Messages API")  # chat() has said "Chat Completions API" first
         self.check_model(body.model)
         tools = plan_tools(body, self.auto_tools)
         if tools is not None:
@@ -271,6 +277,7 @@ class Serving:
 
     async def chat(self, request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        self.check_generates("Chat Completions API")
         inputs = await self.prepare_chat(body)
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else None
@@ -279,6 +286,7 @@ class Serving:
 
     async def completion(self, request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
+        self.check_generates("Completions API")
         self.check_model(body.model)
         prompts = [tokenize(p, self.tokenizer, self.vocab_size, body.truncate_prompt_tokens,
                             body.truncation_side, self.max_model_len)

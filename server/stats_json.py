@@ -82,6 +82,10 @@ def scheduler_json(s: SchedulerStats) -> dict[str, Any]:
         "max_batches_in_flight": s.max_batches_in_flight,
         "num_scheduled_ahead_total": s.num_scheduled_ahead_total,
         "num_beam_forks_total": s.num_beam_forks_total,
+        # Pooling requests (--runner pooling), counted apart (and within num_running/waiting).
+        "num_pooling_running": s.num_pooling_running,
+        "num_pooling_waiting": s.num_pooling_waiting,
+        "num_pooling_finished_total": s.num_pooling_finished_total,
         # KV connector: prompt tokens loaded vs computed, parked and held (None without one).
         "kv_transfer": asdict(s.kv_transfer) if s.kv_transfer is not None else None,
         "requests": [request_json(r) for r in s.requests],
@@ -116,6 +120,7 @@ def request_json(r: RequestStats) -> dict[str, Any]:
         "num_preemptions": r.num_preemptions,
         "age_s": round(r.age_s, 3),
         "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+        "kind": r.kind,
     }
 
 

@@ -55,12 +55,11 @@ REFUSED: dict[str, tuple[int | str, str]] = {
     "--revision": (1, "pass a local folder or the hub id's default revision"),
     "--allowed-origins": (1, "no CORS headers are sent: serve browsers from the same origin "
                              "(the built-in chat page) or through a proxy"),
-    "--task": (1, "text generation only"),
-    "--runner": (1, "text generation only"),
+    "--task": (1, "use --runner generate|pooling (and --convert embed) instead"),
 }
 
 HARMLESS_VALUES: dict[str, frozenset[str]] = {
-    "--task": frozenset({"auto", "generate"}), "--runner": frozenset({"auto", "generate"}),
+    "--task": frozenset({"auto", "generate"}),
     "--cpu-offload-gb": frozenset({"0"}),
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from pagedserve.gpu.models.bert import BertForSequenceClassification, BertModel
 from pagedserve.gpu.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.gpu.models.gemma3 import Gemma3ForCausalLM
 from pagedserve.gpu.models.llama import LlamaForCausalLM
@@ -37,10 +38,41 @@ _REFUSED = {
         "model (llama.cpp's gemma3 file holds only the text part)"),
 }
 MODEL_TYPES = {model_type: cls for cls, model_type in ARCHITECTURES.values()}
+# Encoders, served only by the pooling runner (``--runner pooling``; ``auto`` picks it).
+POOLING_ARCHITECTURES: dict[str, type] = {
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+}
 
 
 class UnsupportedArchitecture(ValueError):
     """The checkpoint's architecture has no model class here."""
+
+
+def _pooling_architecture(config: PretrainedConfig) -> str | None:
+    return next((a for a in getattr(config, "architectures", None) or ()
+                 if a in POOLING_ARCHITECTURES), None)
+
+
+def resolve_runner(config: PretrainedConfig, runner: str, convert: str) -> str:
+    """``generate`` or ``pooling`` for ``--runner`` / ``--convert`` (vLLM's rules: ``auto``
+    is pooling for an encoder checkpoint or when a conversion is asked for).
+
+    Raises:
+        UnsupportedArchitecture: an encoder asked to generate, or ``--convert embed`` with
+            ``--runner generate``.
+    """
+    encoder = _pooling_architecture(config)
+    if runner == "auto":
+        return "pooling" if encoder or convert == "embed" else "generate"
+    if runner == "generate" and encoder:
+        raise UnsupportedArchitecture(
+            f"{encoder} is a pooling model (an encoder without a language-model head): "
+            f"serve it with --runner pooling (or --runner auto)")
+    if runner == "generate" and convert == "embed":
+        raise UnsupportedArchitecture("--convert embed makes a pooling model: use --runner "
+                                      "pooling (or auto) with it")
+    return runner
 
 
 def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
@@ -63,6 +95,9 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     if partial not in (None, 1, 1.0):
         raise UnsupportedArchitecture(
             f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported yet")
+    encoder = _pooling_architecture(config)
+    if encoder is not None:
+        return POOLING_ARCHITECTURES[encoder]  # type: ignore[return-value]
     for arch in getattr(config, "architectures", None) or ():
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch][0]
@@ -71,7 +106,7 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
     archs = ", ".join(getattr(config, "architectures", None) or ()) or "none given"
     raise UnsupportedArchitecture(
         f"architecture {archs} (model type '{config.model_type}') is not supported; "
-        f"supported: {', '.join(ARCHITECTURES)}")
+        f"supported: {', '.join([*ARCHITECTURES, *POOLING_ARCHITECTURES])}")
 
 
 # Config attributes that bound the context, as vLLM reads them (the smallest one present).

@@ -146,6 +146,8 @@ function onSnapshot(snap) {
   text("num-running", s.num_running);
   text("num-waiting", s.num_waiting);
   text("num-preempted", s.num_preempted_total);
+  text("num-pooling", s.num_pooling_finished_total ?? 0);
+  text("pooling-live", `${s.num_pooling_running ?? 0} running, ${s.num_pooling_waiting ?? 0} waiting`);
   text("kv-usage", `${(kv.usage * 100).toFixed(1)}%`);
   text("kv-blocks", `${kv.num_blocks - kv.num_free_blocks} / ${kv.num_blocks} blocks`);
   text("prompt-tps", tp.prompt_tokens_per_s.toFixed(0));

@@ -153,7 +153,8 @@ async def test_model_and_config(client):
     cfg = s["config"]
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512,
                                 "policy": "fcfs", "max_waiting_requests": None,
-                                "async_scheduling": False, "speculative": None}
+                                "async_scheduling": False, "speculative": None,
+                                "enable_chunked_prefill": True}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
     assert cfg["model"]["cpu_isa"] in cpu_isa.LEVELS  # the kernels' tier, _vnni or not
@@ -218,13 +219,14 @@ async def test_stats_json_shape(client):
         "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_steps_total",
         "num_computed_tokens_total", "policy", "requests", "num_beam_forks_total",
         "spec_decode", "max_batches_in_flight", "num_scheduled_ahead_total",
-        "kv_transfer"}  # kv_transfer: null without a KV connector
+        "kv_transfer",  # null without a KV connector
+        "num_pooling_running", "num_pooling_waiting", "num_pooling_finished_total"}
     assert set(s["scheduler"]["spec_decode"]) == {
         "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
         "acceptance_rate_per_pos", "mean_acceptance_length", "draft_time_s", "verify_time_s"}
     assert set(s["scheduler"]["requests"][0]) == {
         "id", "state", "priority", "prompt_tokens", "output_tokens", "num_computed_tokens",
-        "num_blocks", "cached_tokens", "num_preemptions", "age_s", "ttft_s"}
+        "num_blocks", "cached_tokens", "num_preemptions", "age_s", "ttft_s", "kind"}
     assert set(s["kv_cache"]) == {
         "block_size", "num_blocks", "num_free_blocks", "num_cached_blocks", "usage",
         "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",

@@ -211,6 +211,12 @@ ROUTE_ACCESS = [
     ("POST", "/detokenize", {"tokens": [1, 2]}, 401, 200),
     ("GET", "/version", None, 401, 200), ("POST", "/reset_prefix_cache", None, 401, 200),
     ("POST", "/invocations", {"prompt": "Hi", "max_tokens": 1}, 401, 200),
+    # The pooling routes: a generation model answers vLLM's 400 (test_embeddings.py).
+    ("POST", "/v1/embeddings", {"input": "Hi"}, 401, 400),
+    ("POST", "/pooling", {"input": "Hi"}, 401, 400),
+    *[("POST", p, {"text_1": "a", "text_2": "b"}, 401, 400) for p in ("/score", "/v1/score")],
+    *[("POST", p, {"query": "a", "documents": ["b"]}, 401, 400)
+      for p in ("/rerank", "/v1/rerank", "/v2/rerank")],
 ]
 
 
