@@ -43,3 +43,6 @@ class SchedulerConfig:
         "flag": "--speculative-config", "parse": parse_speculative_config,
         "default_text": "off",
     })
+    # --max-loras when --enable-lora (set from the LoRA flags, ``server/engine_args.py``):
+    # distinct adapters among the running requests at most; 0 without LoRA.
+    max_loras: int = 0

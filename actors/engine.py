@@ -52,6 +52,7 @@ from pagedserve.actors.structured_output import (
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
+from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
@@ -184,6 +185,7 @@ class AsyncEngine(GenerateMixin):
         priority: int = 0, cache_salt: str | None = None,
         grammar: CompiledConstraint | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the scheduler has accepted it, so a
         refusal becomes an HTTP error before any response starts.
@@ -196,6 +198,8 @@ class AsyncEngine(GenerateMixin):
                 (or found cached) here and the scheduler parks the request until it is ready.
             kv_transfer_params: vLLM's disaggregated prefill/decode fields, for the KV
                 connector (``gpu/kv_connector/``); its answer ends up on the last delta.
+            lora_request: the adapter to run with (``--enable-lora``; checked by the caller:
+                ``gpu/lora/peft.check_adapter``).
 
         Raises:
             EngineOverloaded: the waiting queue is full.
@@ -209,7 +213,8 @@ class AsyncEngine(GenerateMixin):
         request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
                           priority=priority, cache_salt=cache_salt,  # params: for a connector
                           kv_transfer_params=kv_transfer_params
-                          if self.config.cache.kv_transfer_config is not None else None)
+                          if self.config.cache.kv_transfer_config is not None else None,
+                          lora_request=lora_request)
         if grammar is not None:
             if grammar.spec != params.structured_outputs:
                 raise ValueError("grammar was compiled for another constraint than "

@@ -178,6 +178,7 @@ class InFlight:
                 sampling_params=request.sampling_params,
                 sample=sr.sample or start + n == request.num_tokens,
                 num_prompt_tokens=request.num_prompt_tokens,
+                lora_request=request.lora_request,
             ))
             budget -= n
         return out

@@ -69,7 +69,8 @@ class KVCacheManager:
         """Hash the request's newly full blocks (prompt at arrival, then generated tokens)."""
         if self.enable_caching and request.num_tokens // self.block_size > len(request.block_hashes):
             extend_block_hashes(self.hash_fn, request.block_hashes, request.all_token_ids,
-                                self.block_size, request.cache_salt)
+                                self.block_size, request.cache_salt,
+                                request.lora_int_id)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``: the blocks and the tokens they hold.

@@ -58,12 +58,22 @@ def hash_block_tokens(
 
 def extend_block_hashes(
     hash_fn: HashFn, block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-    cache_salt: str | None = None,
+    cache_salt: str | None = None, lora_int_id: int | None = None,
 ) -> None:
-    """Append the hashes of the full blocks of ``token_ids`` not hashed yet (incremental)."""
+    """Append the hashes of the full blocks of ``token_ids`` not hashed yet (incremental).
+
+    ``lora_int_id``: the request's adapter; its K/V differ from the base model's and any
+    other adapter's, so it keys the first block (and through the chain every block), as vLLM
+    adds the LoRA id to the extra keys.
+    """
     num_full = len(token_ids) // block_size
+    first: tuple[tuple[str, str], ...] = ()
+    if cache_salt is not None:
+        first += (("salt", cache_salt),)
+    if lora_int_id is not None:
+        first += (("lora", str(lora_int_id)),)
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i else ROOT_HASH
-        extra = (("salt", cache_salt),) if i == 0 and cache_salt is not None else ()
+        extra = first if i == 0 else ()
         block = token_ids[i * block_size : (i + 1) * block_size]
         block_hashes.append(hash_block_tokens(hash_fn, parent, block, extra))

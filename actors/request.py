@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
@@ -98,6 +99,11 @@ class Request:
     # vLLM's disaggregated prefill/decode fields (``do_remote_decode``, ``remote_block_ids``...):
     # the client's at arrival; at the end, what the KV connector returns for the response.
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
     # A pooling request (``--runner pooling``): prefill only, then one pooled output.
     pooling_params: PoolingParams | None = None
 

@@ -227,9 +227,11 @@ class GenerateMixin:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: Any,
         priority: int = 0, cache_salt: str | None = None, grammar: Any = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[GenerationDelta]:
+        extra = {} if lora_request is None else {"lora_request": lora_request}
         stream = await self.add_request(request_id, prompt_token_ids, params,
-                                        priority, cache_salt, grammar)
+                                        priority, cache_salt, grammar, **extra)
         async with aclosing(stream):
             async for delta in stream:
                 yield delta

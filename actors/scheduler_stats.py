@@ -7,6 +7,7 @@ scheduler's methods (``Scheduler._record_step``, ``Scheduler.stats``) and run in
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedserve.actors.stats import (
@@ -66,6 +67,9 @@ def snapshot(self: Scheduler) -> StatsSnapshot:
         max_batches_in_flight=self.inflight.max_batches_in_flight,
         num_scheduled_ahead_total=self.inflight.num_scheduled_ahead_total,
         kv_transfer=self.transfer.snapshot() if self.transfer is not None else None,
+        running_lora_adapters=_adapters(self.running),
+        waiting_lora_adapters=_adapters(self.waiting),
+        max_lora=self.config.max_loras,
         num_pooling_running=sum(r.pooling_params is not None for r in self.running),
         num_pooling_waiting=sum(r.pooling_params is not None for r in self.waiting),
         num_pooling_finished_total=self.num_pooling_finished_total,
@@ -85,3 +89,9 @@ def snapshot(self: Scheduler) -> StatsSnapshot:
     )
     return StatsSnapshot(sched, kv, list(self.step_history.recent),
                          self.step_history.throughput(now))
+
+
+def _adapters(requests) -> dict[str, int]:
+    """Requests per LoRA adapter name among ``requests``."""
+    return dict(Counter(r.lora_request.lora_name for r in requests
+                        if r.lora_request is not None))

@@ -283,6 +283,11 @@ class SchedulerStats:
     max_batches_in_flight: int = 0
     num_scheduled_ahead_total: int = 0
     kv_transfer: KVTransferStats | None = None  # with a KV connector only
+    # --enable-lora: adapter name -> requests running / waiting with it; ``max_lora``
+    # (vLLM's label) is --max-loras, 0 without LoRA.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    max_lora: int = 0
     # Pooling requests (``--runner pooling``), apart from generation: live now (also in
     # num_running / num_waiting) and finished with their vector since start.
     num_pooling_running: int = 0

@@ -13,6 +13,8 @@ under one token budget (``max_num_batched_tokens``) and a cap on running request
 2. **Waiting requests**, in queue order, unless pass 1 preempted (then the blocks are short):
    each admitted after a prefix-cache lookup, the last one taking what budget is left
    (chunked prefill). The first that does not fit ends the pass: nobody overtakes the head.
+   With LoRA, one whose adapter would be the ``max_loras + 1``-th among the running requests
+   does not fit either: it waits (vLLM's ``max_loras`` bound on a step).
 
 Under ``priority``, before both, a waiting request of strictly better priority takes the
 place of the worst running one when the seats are full or the blocks are short.
@@ -111,6 +113,8 @@ class StepPlanner:
         scheduled: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self._adapter_fits(request):
+                break  # --max-loras adapters run: it waits for one of them to finish
             # Local prefix-cache hits, then (with a KV connector) the tokens it loads after them.
             look = (Lookup(*self.kv.get_computed_blocks(request)) if self.transfer is None
                     else self.transfer.lookup(request))
@@ -135,6 +139,15 @@ class StepPlanner:
             scheduled.append(sr)
             budget -= n
         return scheduled
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether admitting ``request`` keeps the running requests within ``max_loras``
+        distinct adapters (every running request is in most steps: the step's bound too)."""
+        lora = request.lora_int_id
+        if lora is None:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+        return lora in running or len(running) < self.config.max_loras
 
     def _apply_priority(self, budget: int) -> None:
         """Order ``running`` best first, so the victim of a preemption is always the last one;
@@ -167,5 +180,6 @@ class StepPlanner:
             sampling_params=request.sampling_params,
             sample=start + n == request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
+            lora_request=request.lora_request,
             pooling_params=request.pooling_params,
         )

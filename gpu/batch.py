@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
 from pagedserve.gpu.sampler import TokenLogprobs
@@ -56,6 +57,7 @@ class ScheduledRequest:
             the same step; the runner returns the accepted ones plus one (greedy requests).
         prompt_logprobs: set on a prefill chunk whose request wants prompt logprobs (its
             logits rows are computed too: ``gpu/prompt_logprobs.py``); else ``None``.
+        lora_request: the adapter the request runs with (``gpu/lora/``); ``None``: the base.
         pooling_params: a pooling request's (``--runner pooling``): its chunks are pooled
             (``gpu/pooler.py``) and nothing is sampled; ``sample`` marks its last chunk.
     """
@@ -70,6 +72,7 @@ class ScheduledRequest:
     prefix_token_ids: list[int] | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsWanted | None = None
+    lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
 
     @property

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.gpu.kv_connector.base import KVTransferConfig
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
+from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.gpu.pooling_params import PoolerConfig, parse_pooler_config
 
 # The name the embedded default model is served under (here, not in the loader, so that the
@@ -84,6 +85,9 @@ class ModelConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly, no CUDA graphs for decode steps",
     })
+    # --enable-lora's limits (``gpu/lora/config.py``; set from its flags): every rank's
+    # runner wraps its projections with adapter slots. ``None``: no LoRA.
+    lora: LoRAConfig | None = None
     runner: str = field(default="auto", metadata={
         "help": "generate: text generation; pooling: embeddings and scores (/v1/embeddings, "
                 "/pooling, /score, /rerank; prefill only); auto = pooling for BertModel / "

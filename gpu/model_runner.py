@@ -31,6 +31,7 @@ from pagedserve.gpu.dtype_choice import pick_dtype, pick_linear_plan, pick_quant
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
+from pagedserve.gpu.lora.manager import LoRAManager, lora_kernel
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.adapters import CausalLMForEmbedding
 from pagedserve.gpu.models.llama import LlamaForCausalLM
@@ -128,6 +129,7 @@ class ModelRunner:
         self.prev_sampled = PrevSampled()
         self.draft = DraftModel(draft) if draft is not None else None
         self.kv_connector: worker_step.ConnectorStep | None = None  # load(), when configured
+        self.lora: LoRAManager | None = None  # _build_model(), with --enable-lora
         self.pooling: PoolingRunner | None = None  # --runner pooling: steps pool, never sample
 
     def load(self) -> ModelInfo:
@@ -152,7 +154,9 @@ class ModelRunner:
             self.cache_config.kv_transfer_config, self.kv_caches, self.parallel)
         if self.device.type == "cpu":
             self._log_memory()
-        if self.device.type == "cuda" and not mc.enforce_eager and self.pooling is None:
+        # LoRA steps map rows to adapters per step: eager (graphs capture no mapping).
+        if (self.device.type == "cuda" and not mc.enforce_eager and self.pooling is None
+                and self.lora is None):
             self._capture_cuda_graphs()
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
@@ -196,6 +200,11 @@ class ModelRunner:
         model_bytes = memory.weights_bytes(model)
         if cpu_gemm.can_pack(self.dtype, self.device):
             cpu_gemm.pack_linears(model)
+        if mc.lora is not None:  # around the final linears (packed, quantized or a shard)
+            shard = None if layout is None else parallel_weights.shard_plan(self.hf_config,
+                                                                            layout)
+            self.lora = LoRAManager(model, mc.lora, self.hf_config, self.dtype, self.device,
+                                    shard, lora_kernel(self.device, self.dtype, mc.lora))
         self.model = model.eval()
         self.eos_token_ids = self._eos_token_ids(resolved.path)
         if runner == "pooling":
@@ -432,6 +441,8 @@ class ModelRunner:
         else:
             if self.cuda_graphs is not None:
                 self.cuda_graphs.batch.invalidate()
+            if self.lora is not None:
+                self.lora.set_step(reqs)
             logits = self.model(prepare_inputs(reqs, self.block_size, self.device),
                                 self.kv_caches)
         sampled_reqs = [r for r in reqs if r.sample]

@@ -21,7 +21,7 @@ from pagedserve.kernels import cpu_isa
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_ops.cpp", "decode_attention.cpp",
                                     "prefill_attention.cpp", "elementwise.cpp", "gguf_gemm.cpp",
-                                    "gguf_q8_gemm.cpp")]
+                                    "gguf_q8_gemm.cpp", "lora_bgmv.cpp")]
 # Compiled a second time with the tier's VNNI flags (cpu_isa.VNNI_FLAGS) where it has them:
 # its entry points are named *_vnni and called only when the CPU reports the flag.
 VNNI_SOURCE = CSRC / "gguf_q8_gemm.cpp"
@@ -91,6 +91,9 @@ def bind(lib: ctypes.CDLL) -> None:
         "rotary": [ptr] * 4 + [i64] * 5,  # + rotary_dim
         "reshape_and_cache": [ptr] * 5 + [i64] * 6,  # + head_size, kv_kind
         "gguf_linear": [ptr] * 3 + [i64] * 5,
+        "lora_shrink": [ptr] * 4 + [i64] * 3,
+        "lora_expand": [ptr] * 4 + [i64] * 7,
+        "lora_bgmv": [ptr] * 5 + [i64] * 8,
     }
     for name, args in signatures.items():
         for suffix in ("f32", "bf16"):

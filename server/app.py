@@ -18,6 +18,7 @@ from pagedserve.server.admin import admin_routes
 from pagedserve.server.anthropic.serving import MessagesServing
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body_for
+from pagedserve.server.lora_modules import lora_routes
 from pagedserve.server.middleware import DEFAULT_BODY_READ_TIMEOUT_S, RequestGuard, ServerLoad
 from pagedserve.server.pooling_serving import PoolingServing
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -75,6 +76,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig,
         *admin_routes(engine, config.model_name, config.admin_key, config.api_key,
                       config.metrics_prefix, serving_json(serving)),
         *vllm_routes(serving.chat, serving.completion, load),
+        *lora_routes(serving.loras),
     ]
     routes += doc_routes(routes, _version())
     app = Starlette(routes=routes, exception_handlers=_exception_handlers())
@@ -116,11 +118,14 @@ def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
 
     async def models(request: Request) -> JSONResponse:
         return JSONResponse({"object": "list",
-                             "data": [card(n) for n in serving.config.served_model_name]})
+                             "data": [card(n) for n in serving.config.served_model_name]
+                             + serving.loras.cards(created)})
 
     async def model(request: Request) -> JSONResponse:
-        serving.check_model(request.path_params["model"])
-        return JSONResponse(card(request.path_params["model"]))
+        name = request.path_params["model"]
+        serving.check_model(name)
+        adapter = [c for c in serving.loras.cards(created) if c["id"] == name]
+        return JSONResponse(adapter[0] if adapter else card(name))
 
     return [Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"])]

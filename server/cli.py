@@ -186,6 +186,9 @@ async def serve(args: argparse.Namespace) -> None:
                     hint="vLLM flags that change nothing here (pagedserve serve --help names "
                          "them)")
     dp = from_args(DataParallelConfig, args)
+    if args.enable_lora and (dp.data_parallel_size > 1 or dp.headless):
+        raise ValueError("--enable-lora with data parallelism is not supported yet: serve the "
+                         "adapters from one engine (tensor parallelism works)")
     if dp.headless:  # engines only: they register with the API server at the dp address
         if code := await run_headless(engine_config(args), dp, args.log_level):
             raise SystemExit(code)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 from pagedserve.server.generation_config import GenerationDefaults, parse_override
+from pagedserve.server.lora_modules import LoRAModulePath, parse_lora_module
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -99,6 +100,12 @@ class ServingConfig:
     })
     # Resolved by the CLI from the two flags above and the model's folder.
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    lora_modules: tuple[LoRAModulePath, ...] | None = field(default=None, metadata={
+        "help": "LoRA adapters to serve (with --enable-lora), each name=path or "
+                '\'{"name": N, "path": P, "base_model_name": M}\'; requests pick one by '
+                "`model`",
+        "nargs": "+", "parse": parse_lora_module, "default_text": "none",
+    })
     max_logprobs: int = field(default=20, metadata={
         "help": "most top logprobs a request may ask per token (`logprobs`, `top_logprobs`, "
                 "`prompt_logprobs`; -1 in a request means the whole vocabulary); -1 = no cap",

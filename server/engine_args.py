@@ -46,6 +46,7 @@ from pagedserve.actors.config import SchedulerConfig
 from pagedserve.actors.dp_config import DataParallelConfig
 from pagedserve.actors.structured_output_config import StructuredOutputConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
+from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
 
 if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not wait for it
@@ -54,7 +55,7 @@ if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
     ModelConfig, CacheConfig, ParallelConfig, DataParallelConfig, SchedulerConfig,
-    StructuredOutputConfig, ServingConfig, ServerConfig,
+    LoRAConfig, StructuredOutputConfig, ServingConfig, ServerConfig,
 )
 
 C = TypeVar("C")
@@ -183,13 +184,22 @@ def from_args(cls: type[C], args: argparse.Namespace, **resolved: Any) -> C:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's settings from parsed ``serve`` flags (``--model`` wins over MODEL)."""
+    """The engine's settings from parsed ``serve`` flags (``--model`` wins over MODEL).
+
+    Raises:
+        ValueError: LoRA limits that cannot work (``LoRAConfig.check``).
+    """
     from pagedserve.actors.engine import EngineConfig
 
+    lora = from_args(LoRAConfig, args)
+    if lora.enable_lora:
+        lora.check()
+    lora_on = lora if lora.enable_lora else None
     return EngineConfig(
-        model=from_args(ModelConfig, args, model=args.model or args.model_tag),
+        model=from_args(ModelConfig, args, model=args.model or args.model_tag, lora=lora_on),
         cache=from_args(CacheConfig, args),
         parallel=from_args(ParallelConfig, args),
-        scheduler=from_args(SchedulerConfig, args),
+        scheduler=from_args(SchedulerConfig, args,
+                            max_loras=lora.max_loras if lora.enable_lora else 0),
         structured_output=from_args(StructuredOutputConfig, args),
     )

@@ -22,6 +22,7 @@ never swaps, a preempted request is recomputed).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -260,6 +261,7 @@ class _SnapshotCollector(Collector):
         for name, doc, get in _SNAPSHOT_COUNTERS:
             yield self._family(CounterMetricFamily, name, doc, [(v, get(s)) for v, s in parts])
         yield from self._spec_decode([(v, s.scheduler.spec_decode) for v, s in parts])
+        yield from self._lora([(v, s.scheduler) for v, s in parts])
         routing = getattr(self.snapshot, "routing", None)
         if self.per_engine and routing is not None:
             yield from self._routing(routing)
@@ -285,6 +287,23 @@ class _SnapshotCollector(Collector):
             for pos, n in enumerate(sd.accepted_per_pos):
                 per_pos.add_metric([*values, str(pos)], n)
         yield per_pos
+
+    def _lora(self, parts: list[tuple[list[str], Any]]) -> Iterator[Metric]:
+        """vLLM's ``lora_requests_info``: the adapters of the running and waiting requests
+        (comma-joined names) and ``max_lora`` as labels, the snapshot's time as the value;
+        only with --enable-lora."""
+        parts = [(v, sched) for v, sched in parts if sched.max_lora]
+        if not parts:
+            return
+        info = GaugeMetricFamily(self.prefix + "lora_requests_info",
+                                 "Running and waiting LoRA adapters.",
+                                 labels=[*self.labels, "max_lora", "waiting_lora_adapters",
+                                         "running_lora_adapters"])
+        for values, sched in parts:
+            info.add_metric([*values, str(sched.max_lora),
+                             ",".join(sorted(sched.waiting_lora_adapters)),
+                             ",".join(sorted(sched.running_lora_adapters))], time.time())
+        yield info
 
     def _family(self, kind, name: str, doc: str, samples: list[tuple[list[str], float]]):
         family = kind(self.prefix + name, doc, labels=self.labels)

@@ -61,7 +61,12 @@ SUMMARIES: dict[str, str] = {
     "/v1/messages": "Messages API (Anthropic): system and messages in, content blocks (text, "
                     "tool_use) or Anthropic's SSE events out; tools, stop_sequences.",
     "/v1/messages/count_tokens": "Prompt tokens of a Messages API conversation.",
-    "/v1/models": "The served model names (--served-model-name), one card each.",
+    "/v1/models": "The served model names (--served-model-name) and LoRA adapters (with "
+                  "their parent), one card each.",
+    "/v1/load_lora_adapter": "Load a LoRA adapter by lora_name and lora_path "
+                             "(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).",
+    "/v1/unload_lora_adapter": "Unload a LoRA adapter by lora_name "
+                               "(VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).",
     "/v1/models/{model}": "One served name's card; 404 for a name not served.",
     "/tokenize": "Token ids of a prompt or of chat messages (rendered as the chat route "
                  "renders them).",

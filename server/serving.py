@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse
 from pagedserve.actors.engine import AsyncEngine
 from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
+from pagedserve.gpu import loader
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.beam_search import (
@@ -33,6 +35,7 @@ from pagedserve.server.chat_prompt import ChatPrompts
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import LogprobsFormatter
+from pagedserve.server.lora_modules import LoRARegistry
 from pagedserve.server.prompts import (
     PromptInput,
     check_logprob_fields,
@@ -99,6 +102,21 @@ class Serving:
         self.auto_tools = resolve_auto_tool_choice(
             self.tokenizer, self.prompts.tool_chat_template, config.tool_call_parser,
             config.enable_auto_tool_choice, config.disable_tool_parser_detection)
+        self.loras = self._lora_registry()
+
+    def _lora_registry(self) -> LoRARegistry:
+        """The adapters of ``--lora-modules``, checked against the base model. Raises
+        ``ValueError`` (a start-up error) for one that cannot be served."""
+        lora = self.engine.config.model.lora
+        base = loader.load_config(Path(self.engine.info.path))
+        names = self.config.served_model_name
+        registry = LoRARegistry(lora, base, names[0], names)
+        for m in self.config.lora_modules or ():
+            try:
+                registry.load(m.name, m.path, m.base_model_name)
+            except OpenAIError as e:
+                raise ValueError(f"--lora-modules {m.name}: {e.message}") from None
+        return registry
 
     # -- shared validation -------------------------------------------------------------------
 
@@ -108,8 +126,11 @@ class Serving:
             raise OpenAIError(f"The model does not support {api}")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.served_model_name:
-            served = ", ".join(f"`{name}`" for name in self.config.served_model_name)
+        """A 404 for a ``model`` that is neither a served name nor a LoRA adapter's."""
+        if (model is not None and model not in self.config.served_model_name
+                and self.loras.get(model) is None):
+            served = ", ".join(f"`{name}`" for name in (*self.config.served_model_name,
+                                                        *self.loras.adapters))
             raise OpenAIError(f"The model `{model}` does not exist. Served: {served}.",
                               status=404, param="model")
 
@@ -210,7 +231,8 @@ class Serving:
                     streams.append(await self.engine.add_request(
                         f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
                         priority=body.priority, cache_salt=body.cache_salt, grammar=grammar,
-                        kv_transfer_params=body.kv_transfer_params))
+                        kv_transfer_params=body.kv_transfer_params,
+                        **self._lora_kwargs(body)))
         except ADMISSION_ERRORS as e:
             close_all(streams)
             raise admission_error(e) from e
@@ -218,6 +240,12 @@ class Serving:
             close_all(streams)
             raise
         return streams
+
+    def _lora_kwargs(self, body: Any) -> dict[str, Any]:
+        """``add_request``'s adapter argument for the body's ``model`` (none for the base
+        model: engines without LoRA take no such argument)."""
+        lora = self.loras.get(getattr(body, "model", None))
+        return {} if lora is None else {"lora_request": lora}
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
         """A 400 naming the first id outside the vocabulary, and the vocabulary's size."""
@@ -278,6 +306,9 @@ class Serving:
             check_beam_search(body)
             if tools is not None:
                 raise OpenAIError("tools are not supported with use_beam_search", param="tools")
+            if self.loras.get(body.model) is not None:
+                raise OpenAIError("LoRA adapters are not supported with use_beam_search yet: "
+                                  "use the base model or sample without beams", param="model")
         request_id = request_id_from(request, "chatcmpl" if chat else "cmpl")
         watch = DisconnectWatch(request)
         try:

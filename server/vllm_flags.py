@@ -8,7 +8,7 @@ MODEL. Two kinds:
   (uvicorn's logging, the frontend process, remote code: pagedserve runs its own model
   code). They are parsed with their value, and ``serve`` logs one ``vllm_flags_ignored``
   warning naming them;
-- refused (``REFUSED``): they ask for behaviour pagedserve does not have (LoRA,
+- refused (``REFUSED``): they ask for behaviour pagedserve does not have (
   TLS, another tokenizer, quantized checkpoints): ``serve`` exits with the
   flag and what pagedserve does instead, and a one-line hint (``cli.BriefErrors``).
 
@@ -46,10 +46,6 @@ IGNORED: dict[str, int | str] = {
 
 # flag -> (how many values it takes, what pagedserve does instead).
 REFUSED: dict[str, tuple[int | str, str]] = {
-    "--enable-lora": (0, "LoRA adapters are not supported: serve a merged model"),
-    "--lora-modules": ("+", "LoRA adapters are not supported: serve a merged model"),
-    "--max-loras": (1, "LoRA adapters are not supported: serve a merged model"),
-    "--max-lora-rank": (1, "LoRA adapters are not supported: serve a merged model"),
     "--reasoning-parser": (1, "reasoning parsers are not supported"),
     "--tokenizer": (1, "the model's own tokenizer is always used"),
     "--ssl-keyfile": (1, "pagedserve speaks plain HTTP: put a TLS proxy in front"),

@@ -8,6 +8,7 @@
 //   prefill_attention.cpp  flash-style prefill attention over the paged cache
 //   elementwise.cpp        RMSNorm (+ residual), SiLU-and-mul, RoPE, reshape_and_cache
 //   gguf_gemm.cpp          products with Q4_0 / Q4_1 / Q8_0 blocks
+//   lora_bgmv.cpp          batched LoRA deltas, each row its own adapter (Punica's BGMV)
 //   simd.h, convert.h      the per-ISA vector helpers and the bfloat16 conversions
 //
 // Everything computes in float32 and rounds once to the tensor's dtype; OpenMP threads over

@@ -51,7 +51,8 @@ def test_harmless_vllm_flags_are_recorded_and_their_values_are_not_the_model():
 
 
 def test_refused_vllm_flags_say_what_pagedserve_does_instead(capsys):
-    assert "LoRA adapters are not supported" in usage_error(capsys, "--enable-lora")
+    assert "reasoning parsers are not supported" in usage_error(capsys, "--reasoning-parser",
+                                                                "deepseek_r1")
     assert "weights stay on --device" in usage_error(capsys, "--cpu-offload-gb", "4")
     assert "TLS proxy" in usage_error(capsys, "--ssl-keyfile", "k.pem")
     err = usage_error(capsys, "--quantization", "awq")
@@ -112,11 +113,11 @@ def test_help_version_and_usage_errors_import_no_tensor_library():
     assert imported == []
     rc, out, imported = run_cli("--version")
     assert rc == 0 and imported == []
-    rc, out, imported = run_cli("serve", "--enable-lora")
+    rc, out, imported = run_cli("serve", "--reasoning-parser", "deepseek_r1")
     assert rc == 2 and imported == []
     assert out.splitlines()[-2:] == [
-        f"{SERVE_ERROR}vLLM's --enable-lora is not supported by pagedserve: LoRA adapters are "
-        "not supported: serve a merged model", HINT], out
+        f"{SERVE_ERROR}vLLM's --reasoning-parser is not supported by pagedserve: reasoning "
+        "parsers are not supported", HINT], out
 
 
 def test_serve_names_the_ignored_flags_in_one_warning(tmp_path):
