@@ -154,7 +154,7 @@ async def test_model_and_config(client):
     assert cfg["scheduler"] == {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512,
                                 "policy": "fcfs", "max_waiting_requests": None,
                                 "async_scheduling": False, "speculative": None,
-                                "enable_chunked_prefill": True}
+                                "enable_chunked_prefill": True, "max_loras": 0}
     assert cfg["cache"]["block_size"] == BLOCK and cfg["cache"]["num_blocks"] == 1024
     assert cfg["model"]["max_model_len"] == 2048 and cfg["model"]["dtype"] == "float32"
     assert cfg["model"]["cpu_isa"] in cpu_isa.LEVELS  # the kernels' tier, _vnni or not
