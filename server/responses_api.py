@@ -89,7 +89,7 @@ class ResponsesServing:
                                        sep="\n", headers=headers)
         watch = DisconnectWatch(request)
         try:
-            progress = await until_disconnect(watch, collect(turn.stream), turn.engine_id,
+            progress = await until_disconnect(watch, collect(turn.stream, Progress()), turn.engine_id,
                                               [turn.stream])
         finally:
             watch.stop()

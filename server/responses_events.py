@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -145,22 +145,30 @@ class ResponseShape:
         return self.response(status, output, self.usage(progress.num_output_tokens))
 
 
+class _Accumulator(Protocol):
+    def add(self, delta: GenerationDelta) -> None: ...
+
+
+_Acc = TypeVar("_Acc", bound=_Accumulator)
+
+
 def engine_error(e: EngineError) -> OpenAIError:
     """An engine failure before any byte was sent: 503 while shutting down, else 500."""
     return OpenAIError(str(e), status=503 if isinstance(e, EngineShuttingDown) else 500)
 
 
-async def collect(stream: RequestStream) -> Progress:
-    """The whole output of a non-streamed response."""
-    progress = Progress()
+async def collect(stream: RequestStream, into: _Acc) -> _Acc:
+    """The whole output of a non-streamed answer, added delta by delta to ``into`` (the
+    Responses API's ``Progress``, the Messages API's ``Output``), which is returned; an engine
+    failure becomes ``engine_error``'s OpenAIError."""
     try:
         async for d in stream:
-            progress.add(d)
+            into.add(d)
     except EngineError as e:
         raise engine_error(e) from e
     finally:
         stream.close()
-    return progress
+    return into
 
 
 Emit = Callable[..., dict[str, str]]  # event(kind, **fields) -> one SSE event

@@ -25,9 +25,10 @@ from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.server.anthropic.convert import chat_request
 from pagedserve.server.anthropic.errors import anthropic_error_body
 from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from pagedserve.server.anthropic.shape import MessageShape, Output, collect, events
+from pagedserve.server.anthropic.shape import MessageShape, Output, events
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import DisconnectWatch, RequestSummary, until_disconnect
+from pagedserve.server.responses_events import collect
 from pagedserve.server.serving import ChatInputs, Serving
 from pagedserve.server.tool_calling import tool_dicts
 
@@ -96,7 +97,7 @@ class MessagesServing:
         if body.stream:
             return EventSourceResponse(events(shape, stream, done), sep="\n", headers=headers,
                                        ping_message_factory=_ping)
-        out = await until_disconnect(watch, collect(stream), engine_id, [stream])
+        out = await until_disconnect(watch, collect(stream, Output()), engine_id, [stream])
         if not isinstance(out, Output):
             return out  # the client went away: the 499 that until_disconnect made
         done(out)

@@ -32,7 +32,7 @@ import structlog
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.request_stream import GenerationDelta, RequestStream
 from pagedserve.server.anthropic.errors import anthropic_error_body
-from pagedserve.server.errors import OpenAIError
+from pagedserve.server.responses_events import Emit, engine_error
 from pagedserve.server.tool_parsers import ToolCall, ToolParser
 
 log = structlog.get_logger(__name__)
@@ -114,27 +114,6 @@ class MessageShape:
             content, calls = extracted.content, extracted.calls
         blocks = [{"type": "text", "text": content}] if content else []
         return self.message(blocks + [tool_use_block(c) for c in calls], out)
-
-
-def engine_error(e: EngineError) -> OpenAIError:
-    """An engine failure before any byte was sent: 503 while shutting down, else 500."""
-    return OpenAIError(str(e), status=503 if isinstance(e, EngineShuttingDown) else 500)
-
-
-async def collect(stream: RequestStream) -> Output:
-    """The whole output of a non-streamed message."""
-    out = Output()
-    try:
-        async for d in stream:
-            out.add(d)
-    except EngineError as e:
-        raise engine_error(e) from e
-    finally:
-        stream.close()
-    return out
-
-
-Emit = Callable[..., dict[str, str]]  # event(kind, **fields) -> one SSE event
 
 
 @dataclass(slots=True)
