@@ -22,8 +22,9 @@ namespace {
 // less than waking OpenMP's threads, on a loaded machine by far.
 constexpr int64_t kParallelMin = 1 << 20;
 
-template <typename T>
-inline float dot(const T* a, const T* b, int64_t n) {
+// a . b over n elements in float32; each side float, bfloat16 or the activations' type.
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
   int64_t i = 0;
   float sum = 0.f;
 #if PAGEDSERVE_SIMD
@@ -32,19 +33,6 @@ inline float dot(const T* a, const T* b, int64_t n) {
   sum = Vec::reduce_add(acc);
 #endif
   for (; i < n; ++i) sum += load(a[i]) * load(b[i]);
-  return sum;
-}
-
-template <typename T>
-inline float dot_h(const float* h, const T* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0.f;
-#if PAGEDSERVE_SIMD
-  Vec::F acc = Vec::zero();
-  for (; i + Vec::W <= n; i += Vec::W) acc = Vec::fmadd(Vec::load(h + i), Vec::load(b + i), acc);
-  sum = Vec::reduce_add(acc);
-#endif
-  for (; i < n; ++i) sum += h[i] * load(b[i]);
   return sum;
 }
 
@@ -71,7 +59,7 @@ void expand(T* y, const float* h, const T* b, const int32_t* slots, int64_t rows
       const int32_t s = slots[t];
       if (s < 0) continue;
       T* dst = y + t * y_stride + y_off + o;
-      const float d = dot_h(h + t * h_stride + h_off, b + (int64_t(s) * out + o) * rank, rank);
+      const float d = dot(h + t * h_stride + h_off, b + (int64_t(s) * out + o) * rank, rank);
       store(load(*dst) + d, dst);
     }
   }
