@@ -42,6 +42,10 @@ from pagedserve.gpu.cpu_threads import THREADS_ENV, cpu_threads
 log = structlog.get_logger(__name__)
 
 STOP_TIMEOUT_S = 15.0  # an engine's grace to finish its shutdown before SIGKILL
+# `python -m` puts the current directory first on sys.path; started from a pagedserve checkout,
+# its kernels/ folder would then shadow Hugging Face's `kernels` package that transformers
+# imports. -P (Python 3.11+) leaves it out.
+SAFE_PATH: tuple[str, ...] = ("-P",) if sys.version_info >= (3, 11) else ()
 
 
 def threads_per_engine(num_local: int) -> int:
@@ -64,7 +68,7 @@ class LocalEngine:
         env[SPEC_ENV] = spec_to_env(spec)
         env[THREADS_ENV] = str(threads)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pagedserve.actors.engine_core_proc",
+            sys.executable, *SAFE_PATH, "-m", "pagedserve.actors.engine_core_proc",
             f"--engine-index={spec.engine_index}", env=env)
         log.info("engine_process_started", engine=spec.engine_index, pid=proc.pid,
                  threads=threads)

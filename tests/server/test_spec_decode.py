@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from pagedserve.actors.dp_launch import SAFE_PATH
 from pagedserve.actors.spec_decode import SpeculativeConfig
 from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats
 
@@ -21,8 +22,9 @@ REPEAT = ("Repeat this line four times: the quick brown fox jumps over the lazy 
 
 
 def test_cli_refuses_a_bad_speculative_config():
-    r = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "serve", "--speculative-config",
-                        '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, *SAFE_PATH, "-m", "pagedserve.server.cli", "serve",
+                        "--speculative-config", '{"method": "medusa"}'],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "--speculative-config" in r.stderr and "'ngram' or 'draft_model'" in r.stderr
 

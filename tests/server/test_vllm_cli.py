@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from pagedserve.actors.dp_launch import SAFE_PATH
 from pagedserve.server import vllm_flags
 from pagedserve.server.cli import build_parser, package_version
 from pagedserve.server.engine_args import FLAG_CONFIGS, engine_config, flags_of
@@ -162,8 +163,8 @@ def test_start_up_log_names_the_speculative_config_and_the_ignored_flag(tiny_mod
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.server.cli", "serve", str(tiny_model_dir),
-             "--device", "cpu", "--port", str(port), "--max-model-len", "256",
+            [sys.executable, *SAFE_PATH, "-m", "pagedserve.server.cli", "serve",
+             str(tiny_model_dir), "--device", "cpu", "--port", str(port), "--max-model-len", "256",
              "--gpu-memory-utilization", "0.5", "--speculative-config", spec],
             stdout=log_file, stderr=subprocess.STDOUT)
     try:
