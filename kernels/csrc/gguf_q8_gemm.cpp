@@ -23,6 +23,12 @@
 // and FMA per 8 or 16 columns. The layout is the idea of llama.cpp's repacked CPU weights
 // (ggml-cpu/repack.cpp), written anew for these types and lane counts.
 //
+// A tile is MR rows of x against all 16 columns of a panel (tile_rows: 8 rows with AVX-512's
+// 32 registers, 3-4 with AVX2's 16), so each decoded weight vector serves MR rows and each
+// broadcast activation the panel's column vectors; the K-quants walk one sub-block at a time to
+// keep a tile's sums in registers. x is quantized once per call, 8 lanes at a time (bit-equal
+// to the scalar loop, which the generic variant runs).
+//
 // Built once per tier and, where the tier allows, twice: PAGEDSERVE_Q8_VNNI set (with
 // -mavx512vnni in the avx512 tier, -mavxvnni in the avx2 one; kernels/cpu_build.py) names the
 // entry points *_vnni and multiplies with vpdpbusd; without it the loops use vpmaddubsw +
@@ -76,15 +82,70 @@ struct QuantX {
   float* s;
   int32_t* sum;
   int32_t* sum16;
+  int32_t* nsum;    // -sum(q) per block, -sum per 16-value half (Q6_K): offsets as shifts of them
+  int32_t* nsum16;
   int64_t nb;
 };
 
+#if PAGEDSERVE_SIMD
+// One block of 32 values, the arithmetic of the scalar loop below (bit-equal: the same max,
+// scale, product and rounding per value), 8 lanes at a time.
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx) {
+inline void quantize_block(const T* src, QuantX& qx, int64_t i) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = Avx2::load(src + 8 * j);
+    amax = _mm256_max_ps(_mm256_and_ps(v[j], absmask), amax);  // a NaN lane keeps amax
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  volatile float dv = _mm_cvtss_f32(m) * kInv127;  // see quantize_rows
+  const float d = dv, id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], vid),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+  }
+  // int32 -> int8 by two saturating packs (exact: |q| <= 127), which interleave 4-byte groups
+  // across the 128-bit halves; one permute puts them back in order.
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx.q + i * QK), packed);
+  auto hsum = [](__m256i a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+  };
+  const int32_t h0 = hsum(_mm256_add_epi32(qi[0], qi[1])), h1 = hsum(_mm256_add_epi32(qi[2], qi[3]));
+  const int32_t sum = h0 + h1;
+  qx.d[i] = d;
+  qx.sum[i] = sum;
+  qx.sum16[2 * i] = h0;
+  qx.sum16[2 * i + 1] = h1;
+  qx.nsum[i] = -sum;
+  qx.nsum16[2 * i] = -h0;
+  qx.nsum16[2 * i + 1] = -h1;
+  qx.s[i] = d * static_cast<float>(sum);
+}
+#endif
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx, bool generic = false) {
   const int64_t nb = k / QK;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 15))
   for (int64_t i = 0; i < m * nb; ++i) {
     const T* src = x + i * QK;  // rows are contiguous: block i of the whole matrix
+#if PAGEDSERVE_SIMD
+    if (!generic) {
+      quantize_block(src, qx, i);
+      continue;
+    }
+#endif
     float v[QK], amax = 0.f;
     for (int t = 0; t < QK; ++t) {
       v[t] = load(src[t]);
@@ -107,6 +168,9 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx) {
     qx.sum[i] = sum;
     qx.sum16[2 * i] = half[0];
     qx.sum16[2 * i + 1] = half[1];
+    qx.nsum[i] = -sum;
+    qx.nsum16[2 * i] = -half[0];
+    qx.nsum16[2 * i + 1] = -half[1];
     qx.s[i] = d * static_cast<float>(sum);
   }
 }
@@ -175,8 +239,23 @@ struct I8 {
   }
   static I pairs(I u, I s) { return _mm256_maddubs_epi16(u, s); }  // int16 pair sums
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
-  static I widen(I acc, I s16) {  // acc + the int16 pair sums summed into int32 lanes
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+  static I widen(I acc, I s16, I by) {  // acc + the int16 pair sums times by, in int32 lanes
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, by));
+  }
+  static I corr(const int32_t* p, int shift) {  // *p * 2^shift in every lane
+    return _mm256_slli_epi32(_mm256_set1_epi32(*p), shift);
+  }
+  static I slli32(I v, int shift) { return _mm256_slli_epi32(v, shift); }
+  static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
+  // Lane j: int16 pair (a[j], b[j]) of L int8 at a and at b.
+  static I s8pairs(const uint8_t* a, const uint8_t* b) {
+    const __m128i va = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+    const __m128i vb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(va, vb));
+  }
+  static I bcast16pair(const int32_t* p) {  // (int16(p[0]), int16(p[1])) in every lane
+    return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(p[1]) << 16) |
+                                                  (static_cast<uint32_t>(p[0]) & 0xffffu)));
   }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -248,8 +327,22 @@ struct I16 {
   }
   static I pairs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
-  static I widen(I acc, I s16) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
+  static I widen(I acc, I s16, I by) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, by));
+  }
+  static I corr(const int32_t* p, int shift) {
+    return _mm512_slli_epi32(_mm512_set1_epi32(*p), shift);
+  }
+  static I slli32(I v, int shift) { return _mm512_slli_epi32(v, shift); }
+  static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
+  static I s8pairs(const uint8_t* a, const uint8_t* b) {
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
+  }
+  static I bcast16pair(const int32_t* p) {
+    return _mm512_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(p[1]) << 16) |
+                                                  (static_cast<uint32_t>(p[0]) & 0xffffu)));
   }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -290,30 +383,42 @@ using IV = I8;
 #endif
 
 // Per lane, a sum of 4-byte u8 x s8 products. VNNI: one vpdpbusd each. Otherwise vpmaddubsw's
-// int16 pair sums are added up to kPer products in int16 and then widened by one vpmaddwd:
-// llama.cpp's trick, two instructions a product instead of three. kPer keeps the int16 sums
-// exact: codes below 16 (Q4): 8 (8 * 2 * 15 * 127 < 32768); below 32 (Q5): 4; below 64: 2.
-// kChains > 1 (VNNI, tiles of few rows): products alternate between independent accumulators,
-// so one row's chain of dependent vpdpbusd does not bound a decode step.
+// int16 pair sums are added up to kPer products in int16 and then widened by one vpmaddwd
+// (against ones, or against per-lane int16 scales: Q6_K's, which the widening multiplies in
+// for free): llama.cpp's trick, two instructions a product instead of three. kPer keeps the
+// int16 sums exact: codes below 16 (Q4): 8 (8 * 2 * 15 * 127 < 32768); below 32 (Q5): 4;
+// below 64: 2. kChains > 1 (VNNI, tiles of few rows): products alternate between independent
+// accumulators, so one row's chain of dependent vpdpbusd does not bound a decode step.
+// The int16 adds are an asm statement: GCC reassociates a chain of integer adds into a tree
+// that keeps every product live at once, which spills AVX2's 16 registers to the stack (and
+// ran the AVX2 tier at ~60 % of this loop's speed).
+template <class I>
+inline I add16_chain(I acc, I p) {
+  __asm__("vpaddw %1, %0, %0" : "+v"(acc) : "v"(p));
+  return acc;
+}
+
 template <class V, int kPer, int kChains = 1>
 struct DotSum {
   typename V::I acc, acc2, s16;
   int n;
   explicit DotSum(typename V::I init) : acc(init), acc2(V::zero()), s16(V::zero()), n(0) {}
   DotSum() : DotSum(V::zero()) {}
-  void add(typename V::I u, typename V::I x) {
+  void add(typename V::I u, typename V::I x, typename V::I widen_by) {
     if constexpr (kVnni) {
       if (kChains > 1 && (n++ & 1)) acc2 = V::dot(acc2, u, x);
       else acc = V::dot(acc, u, x);
     } else {
-      s16 = n ? V::add16(s16, V::pairs(u, x)) : V::pairs(u, x);
-      if (++n == kPer) acc = V::widen(acc, s16), n = 0;
+      s16 = n ? add16_chain(s16, V::pairs(u, x)) : V::pairs(u, x);
+      if (++n == kPer) acc = V::widen(acc, s16, widen_by), n = 0;
     }
   }
-  typename V::I sum() const {
+  void add(typename V::I u, typename V::I x) { add(u, x, V::set1(0x00010001)); }
+  typename V::I sum(typename V::I widen_by) const {
     if constexpr (kVnni) return kChains > 1 ? V::add(acc, acc2) : acc;
-    return n ? V::widen(acc, s16) : acc;
+    return n ? V::widen(acc, s16, widen_by) : acc;
   }
+  typename V::I sum() const { return sum(V::set1(0x00010001)); }
 };
 
 // Ask for ``bytes`` of weights from ``p`` (one line per 64 bytes; past the end is harmless, a
@@ -324,214 +429,390 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+// A tile: MR rows of x from r0 against all PR = NC * V::L columns of one panel, the float
+// accumulators of row r, column vector c in acc[r][c]. Every weight vector decoded serves MR
+// rows and every broadcast activation NC column vectors.
+template <class V>
+constexpr int kNC = static_cast<int>(PR / V::L);
+
 // The tile's float accumulators into out (row-major, ldo), the first ``cols`` columns.
 template <class V, int MR, typename T>
-inline void store_tile(const typename V::F* acc, T* out, int64_t r0, int64_t ldo,
-                       int64_t lane0, int64_t cols) {
-  for (int r = 0; r < MR; ++r) {
-    T* o = out + (r0 + r) * ldo + lane0;
-    if constexpr (sizeof(T) == 4) {
-      if (cols >= V::L) {
-        V::storef(acc[r], reinterpret_cast<float*>(o));
-        continue;
+inline void store_tile(const typename V::F (*acc)[kNC<V>], T* out, int64_t r0, int64_t ldo,
+                       int64_t cols) {
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < kNC<V>; ++c) {
+      T* o = out + (r0 + r) * ldo + c * V::L;
+      const int64_t left = cols - c * V::L;
+      if (left <= 0) break;
+      if constexpr (sizeof(T) == 4) {
+        if (left >= V::L) {
+          V::storef(acc[r][c], reinterpret_cast<float*>(o));
+          continue;
+        }
       }
+      float tmp[V::L];
+      V::storef(acc[r][c], tmp);
+      for (int64_t j = 0; j < left && j < V::L; ++j) store(tmp[j], o + j);
     }
-    float tmp[V::L];
-    V::storef(acc[r], tmp);
-    for (int64_t c = 0; c < cols && c < V::L; ++c) store(tmp[c], o + c);
-  }
 }
 
-// Output columns [lane0, lane0 + V::L) of one panel for MR rows of x from r0, 32-weight
-// blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): per block, the codes of all lanes against 4 broadcast
-// activation codes at a time, then one scaling.
+// 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): per block, the codes of all lanes against 4
+// broadcast activation codes at a time, then one scaling.
 template <class V, int64_t TYPE, int MR, typename T>
-inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
-                       T* out, int64_t ldo, int64_t cols) {
+inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out, int64_t ldo,
+                       int64_t cols) {
+  constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(TYPE), tail = tail_off(TYPE);
   constexpr bool has_min = TYPE == Q4_1 || TYPE == Q5_1;
+  // Q4_0's -8, Q5_0's -16 and (VNNI) Q8_0's +128 offsets as -2^shift * sum(q).
+  constexpr int shift = TYPE == Q4_0 ? 3 : TYPE == Q5_0 ? 4 : TYPE == Q8_0 && kVnni ? 7 : 0;
   const int64_t nb = qx.nb;
-  typename V::F acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
+  typename V::F acc[MR][NC];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0 && lane0 == 0 && b % 8 == 0) prefetch(blk + 8 * PR * pb, 8 * PR * pb);
-    typename V::I ai[MR];
+    if (r0 == 0 && b % 8 == 0) prefetch(blk + 8 * PR * pb, 8 * PR * pb);
+    const int8_t* q[MR];
+    typename V::I ai[MR][NC];
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const int32_t s = qx.sum[(r0 + r) * nb + b];
-      ai[r] = TYPE == Q4_0 ? V::set1(-8 * s) : TYPE == Q5_0 ? V::set1(-16 * s)
-              : TYPE == Q8_0 && kVnni ? V::set1(-128 * s) : V::zero();
+      const int64_t i = (r0 + r) * nb + b;
+      q[r] = qx.q + i * QK;
+      const typename V::I init = shift ? V::corr(qx.nsum + i, shift) : V::zero();
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) ai[r][c] = init;
     }
     if constexpr (TYPE == Q8_0) {
       for (int g = 0; g < 8; ++g) {
-        const typename V::I w = V::load(blk + g * 64 + lane0 * 4);
-        const typename V::I u = kVnni ? V::flip(w) : V::abs8(w);
+        typename V::I w[NC], u[NC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          w[c] = V::load(blk + g * 64 + c * V::L * 4);
+          u[c] = kVnni ? V::flip(w[c]) : V::abs8(w[c]);
+        }
+        #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b) * QK + 4 * g);
-          ai[r] = V::dot(ai[r], u, kVnni ? xs : V::sign8(xs, w));
+          const typename V::I xs = V::bcast(q[r] + 4 * g);
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c)
+            ai[r][c] = V::dot(ai[r][c], u[c], kVnni ? xs : V::sign8(xs, w[c]));
         }
       }
     } else {
       constexpr bool q5 = TYPE == Q5_0 || TYPE == Q5_1;
-      using Dots = DotSum<V, q5 ? 4 : 8, MR <= 2 ? 2 : 1>;
-      Dots dots[MR];
-      for (int r = 0; r < MR; ++r) dots[r] = Dots(ai[r]);
-      typename V::I qh = V::zero();
-      if constexpr (q5) qh = V::load(blk + high_off(TYPE) + lane0 * 4);
+      using Dots = DotSum<V, q5 ? 4 : 8, MR * NC <= 2 ? 2 : 1>;
+      Dots dots[MR][NC];
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r)
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) dots[r][c] = Dots(ai[r][c]);
+      typename V::I qh[NC];
+      if constexpr (q5)
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) qh[c] = V::load(blk + high_off(TYPE) + c * V::L * 4);
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
-        const typename V::I raw = V::load(blk + g * 64 + lane0 * 4);
-        typename V::I lo = V::low4(raw), hi = V::high4(raw);
-        if constexpr (q5) {
-          lo = V::or_(lo, V::spread4(qh, 4 * g));
-          hi = V::or_(hi, V::spread4(qh, 16 + 4 * g));
+        typename V::I lo[NC], hi[NC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const typename V::I raw = V::load(blk + g * 64 + c * V::L * 4);
+          lo[c] = V::low4(raw), hi[c] = V::high4(raw);
+          if constexpr (q5) {
+            lo[c] = V::or_(lo[c], V::spread4(qh[c], 4 * g));
+            hi[c] = V::or_(hi[c], V::spread4(qh[c], 16 + 4 * g));
+          }
         }
+        #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          const int8_t* q = qx.q + ((r0 + r) * nb + b) * QK;
-          dots[r].add(lo, V::bcast(q + 4 * g));
-          dots[r].add(hi, V::bcast(q + 16 + 4 * g));
+          const typename V::I xl = V::bcast(q[r] + 4 * g), xh = V::bcast(q[r] + 16 + 4 * g);
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) {
+            dots[r][c].add(lo[c], xl);
+            dots[r][c].add(hi[c], xh);
+          }
         }
       }
-      for (int r = 0; r < MR; ++r) ai[r] = dots[r].sum();
-    }
-    const typename V::F dw = V::halves(blk + tail + lane0 * 2);
-    for (int r = 0; r < MR; ++r)
-      acc[r] = V::fmadd(V::cvt(ai[r]), V::mul(dw, V::fset1(qx.d[(r0 + r) * nb + b])), acc[r]);
-    if constexpr (has_min) {
-      const typename V::F mw = V::halves(blk + tail + PR * 2 + lane0 * 2);
+      #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r)
-        acc[r] = V::fmadd(mw, V::fset1(qx.s[(r0 + r) * nb + b]), acc[r]);
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) ai[r][c] = dots[r][c].sum();
+    }
+    typename V::F dw[NC];
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) dw[c] = V::halves(blk + tail + c * V::L * 2);
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const typename V::F dx = V::fset1(qx.d[i]);
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c)
+        acc[r][c] = V::fmadd(V::cvt(ai[r][c]), V::mul(dw[c], dx), acc[r][c]);
+      if constexpr (has_min) {
+        const typename V::F s = V::fset1(qx.s[i]);
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c)
+          acc[r][c] = V::fmadd(V::halves(blk + tail + PR * 2 + c * V::L * 2), s, acc[r][c]);
+      }
     }
   }
-  store_tile<V, MR>(acc, out, r0, ldo, lane0, cols);
+  store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
-// The same for Q4_K / Q5_K's 256-weight blocks: sub-blocks 2j and 2j + 1 share code bytes
-// (low and high nibbles), each has its own scale d * sc and minimum dmin * m.
+// Q4_K / Q5_K's 256-weight blocks: sub-blocks 2j and 2j + 1 share code bytes (low and high
+// nibbles), each has its own scale d * sc and minimum dmin * m. One sub-block at a time (the
+// code bytes are read twice, from L1), so a tile holds MR x NC integer sums, not twice that.
 template <class V, int64_t TYPE, int MR, typename T>
-inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
-                         T* out, int64_t ldo, int64_t cols) {
+inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
+                         int64_t ldo, int64_t cols) {
+  constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(TYPE), tail = tail_off(TYPE);
   const int64_t nb = qx.nb;
-  typename V::F acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
+  typename V::F acc[MR][NC];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0 && lane0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
-    const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
-    const typename V::F dmin = V::halves(blk + tail + 288 + lane0 * 2);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      DotSum<V, TYPE == Q4_K ? 8 : 4, MR <= 2 ? 2 : 1> lo_acc[MR], hi_acc[MR];
+    if (r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
+    typename V::F d[NC], dmin[NC];
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
+      dmin[c] = V::halves(blk + tail + 288 + c * V::L * 2);
+    }
+#pragma GCC unroll 1
+    for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * j + half;
+      using Dots = DotSum<V, TYPE == Q4_K ? 8 : 4, MR * NC <= 2 ? 2 : 1>;
+      Dots dots[MR][NC];
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
-        const typename V::I raw = V::load(blk + (8 * j + g) * 64 + lane0 * 4);
-        typename V::I lo = V::low4(raw), hi = V::high4(raw);
-        if constexpr (TYPE == Q5_K) {
-          const typename V::I h = V::load(blk + high_off(TYPE) + g * 64 + lane0 * 4);
-          lo = V::or_(lo, V::bits_to4(h, 2 * j, 0x10));
-          hi = V::or_(hi, V::bits_to4(h, 2 * j + 1, 0x10));
+        typename V::I u[NC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const typename V::I raw = V::load(blk + (8 * j + g) * 64 + c * V::L * 4);
+          u[c] = half ? V::high4(raw) : V::low4(raw);
+          if constexpr (TYPE == Q5_K) {
+            const typename V::I h = V::load(blk + high_off(TYPE) + g * 64 + c * V::L * 4);
+            u[c] = V::or_(u[c], V::bits_to4(h, s, 0x10));
+          }
         }
+        #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          const int8_t* q = qx.q + ((r0 + r) * nb + b * 8 + 2 * j) * QK;
-          lo_acc[r].add(lo, V::bcast(q + 4 * g));
-          hi_acc[r].add(hi, V::bcast(q + QK + 4 * g));
+          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b * 8 + s) * QK + 4 * g);
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) dots[r][c].add(u[c], xs);
         }
       }
-      for (int half = 0; half < 2; ++half) {
-        const int s = 2 * j + half;
-        const typename V::F dw = V::mul(d, V::u8f(blk + tail + s * 16 + lane0));
-        const typename V::F dm = V::mul(dmin, V::u8f(blk + tail + 128 + s * 16 + lane0));
-        for (int r = 0; r < MR; ++r) {
-          const int64_t i = (r0 + r) * nb + b * 8 + s;
-          acc[r] = V::fmadd(V::cvt(half ? hi_acc[r].sum() : lo_acc[r].sum()),
-                            V::mul(dw, V::fset1(qx.d[i])), acc[r]);
-          acc[r] = V::fnmadd(dm, V::fset1(qx.s[i]), acc[r]);  // + (-(dmin * m)) * d * sum(q)
+      typename V::F dw[NC], dm[NC];
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        dw[c] = V::mul(d[c], V::u8f(blk + tail + s * 16 + c * V::L));
+        dm[c] = V::mul(dmin[c], V::u8f(blk + tail + 128 + s * 16 + c * V::L));
+      }
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = (r0 + r) * nb + b * 8 + s;
+        const typename V::F dx = V::fset1(qx.d[i]), sx = V::fset1(qx.s[i]);
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          acc[r][c] = V::fmadd(V::cvt(dots[r][c].sum()), V::mul(dw[c], dx), acc[r][c]);
+          acc[r][c] = V::fnmadd(dm[c], sx, acc[r][c]);  // + (-(dmin * m)) * d * sum(q)
         }
       }
     }
   }
-  store_tile<V, MR>(acc, out, r0, ldo, lane0, cols);
+  store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
 // Q6_K: per 32-weight sub-block, the two 16-weight groups' integer sums (codes q6 - 32, the
 // -32 as -32 * their activation sums) times their int8 scales, summed in integers, then d.
 template <class V, int MR, typename T>
-inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0,
-                           T* out, int64_t ldo, int64_t cols) {
+inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
+                           int64_t ldo, int64_t cols) {
+  constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(Q6_K), tail = tail_off(Q6_K), hoff = high_off(Q6_K);
   const int64_t nb = qx.nb;
-  typename V::F acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = V::fzero();
+  typename V::F acc[MR][NC];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0 && lane0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
-    const typename V::F d = V::halves(blk + tail + 256 + lane0 * 2);
+    if (r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
+    typename V::F d[NC];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, s4 = s % 4;
-      using Dots = DotSum<V, 2, MR <= 2 ? 2 : 1>;
-      Dots ia[MR], ib[MR];
+      using Dots = DotSum<V, 2, MR * NC <= 2 ? 2 : 1>;
+      Dots ia[MR][NC], ib[MR][NC];
+#pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (r0 + r) * nb + b * 8 + s;
-        ia[r] = Dots(V::set1(-32 * qx.sum16[2 * i]));
-        ib[r] = Dots(V::set1(-32 * qx.sum16[2 * i + 1]));
+        const typename V::I ca = V::corr(qx.nsum16 + 2 * i, 5), cb = V::corr(qx.nsum16 + 2 * i + 1, 5);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) ia[r][c] = Dots(ca), ib[r][c] = Dots(cb);
       }
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
-        const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + lane0 * 4);
-        const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + lane0 * 4);
-        const typename V::I u = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw),
-                                       V::bits_to4(hv, 2 * s4, 0x30));
+        typename V::I u[NC];
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const int64_t o = c * V::L * 4;
+          const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
+          const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
+          u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw), V::bits_to4(hv, 2 * s4, 0x30));
+        }
+#pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
           const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b * 8 + s) * QK + 4 * g);
-          (g < 4 ? ia[r] : ib[r]).add(u, xs);
+#pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) (g < 4 ? ia[r][c] : ib[r][c]).add(u[c], xs);
         }
       }
-      const typename V::I sca = V::s8i(blk + tail + (2 * s) * 16 + lane0);
-      const typename V::I scb = V::s8i(blk + tail + (2 * s + 1) * 16 + lane0);
+      typename V::I sca[NC], scb[NC];
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        sca[c] = V::s8i(blk + tail + (2 * s) * 16 + c * V::L);
+        scb[c] = V::s8i(blk + tail + (2 * s + 1) * 16 + c * V::L);
+      }
+#pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        const int64_t i = (r0 + r) * nb + b * 8 + s;
-        const typename V::I tot = V::add(V::mullo(ia[r].sum(), sca), V::mullo(ib[r].sum(), scb));
-        acc[r] = V::fmadd(V::cvt(tot), V::mul(d, V::fset1(qx.d[i])), acc[r]);
+        const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8 + s]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const typename V::I tot = V::add(V::mullo(ia[r][c].sum(), sca[c]), V::mullo(ib[r][c].sum(), scb[c]));
+          acc[r][c] = V::fmadd(V::cvt(tot), V::mul(d[c], dx), acc[r][c]);
+        }
       }
     }
   }
-  store_tile<V, MR>(acc, out, r0, ldo, lane0, cols);
+  store_tile<V, MR>(acc, out, r0, ldo, cols);
+}
+
+// Q6_K without VNNI: the int16 pair sums of two groups of 4 codes are widened by one vpmaddwd
+// against the 16-weight group's int8 scale as int16 pairs (the widening multiplies the scale
+// in), so each (row, column vector) holds one int32 sum per sub-block. The -32 offsets of both
+// groups are one vpmaddwd too: (-sum16a, -sum16b) against (sca, scb), times 32.
+template <class V, int MR, typename T>
+inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
+                                 int64_t ldo, int64_t cols) {
+  constexpr int NC = kNC<V>;
+  constexpr int64_t pb = packed_bytes(Q6_K), tail = tail_off(Q6_K), hoff = high_off(Q6_K);
+  const int64_t nb = qx.nb;
+  typename V::F acc[MR][NC];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
+  for (int64_t b = 0; b < nb / 8; ++b) {
+    const uint8_t* blk = panel + b * PR * pb;
+    if (r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const int h = s / 4, s4 = s % 4;
+      typename V::I sab[NC], tot[MR][NC];
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c)
+        sab[c] = V::s8pairs(blk + tail + 2 * s * 16 + c * V::L, blk + tail + (2 * s + 1) * 16 + c * V::L);
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = (r0 + r) * nb + b * 8 + s;
+        const typename V::I negs = V::bcast16pair(qx.nsum16 + 2 * i);
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) tot[r][c] = V::slli32(V::madd16(negs, sab[c]), 5);
+      }
+#pragma GCC unroll 2
+      for (int part = 0; part < 2; ++part) {
+        typename V::I sc[NC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const uint8_t* p = blk + tail + (2 * s + part) * 16 + c * V::L;
+          sc[c] = V::s8pairs(p, p);
+        }
+#pragma GCC unroll 2
+        for (int g = 4 * part; g < 4 * part + 4; g += 2) {
+          typename V::I u0[NC], u1[NC];
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) {
+            const int64_t o = c * V::L * 4;
+            const typename V::I raw0 = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
+            const typename V::I raw1 = V::load(blk + (16 * h + 8 * (s4 & 1) + g + 1) * 64 + o);
+            const typename V::I h0 = V::load(blk + hoff + (8 * h + g) * 64 + o);
+            const typename V::I h1 = V::load(blk + hoff + (8 * h + g + 1) * 64 + o);
+            u0[c] = V::or_(s4 >> 1 ? V::high4(raw0) : V::low4(raw0), V::bits_to4(h0, 2 * s4, 0x30));
+            u1[c] = V::or_(s4 >> 1 ? V::high4(raw1) : V::low4(raw1), V::bits_to4(h1, 2 * s4, 0x30));
+          }
+          #pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* q = qx.q + ((r0 + r) * nb + b * 8 + s) * QK;
+            const typename V::I x0 = V::bcast(q + 4 * g), x1 = V::bcast(q + 4 * g + 4);
+            #pragma GCC unroll 16
+            for (int c = 0; c < NC; ++c)
+              tot[r][c] = V::widen(tot[r][c], add16_chain(V::pairs(u0[c], x0), V::pairs(u1[c], x1)), sc[c]);
+          }
+        }
+      }
+      typename V::F d[NC];
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8 + s]);
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c)
+          acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
+      }
+    }
+  }
+  store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
 template <class V, int64_t TYPE, int MR, typename T>
-inline void tile(const QuantX& qx, int64_t r0, const uint8_t* panel, int64_t lane0, T* out,
-                 int64_t ldo, int64_t cols) {
-  if constexpr (TYPE == Q6_K) panel_tile_q6k<V, MR>(qx, r0, panel, lane0, out, ldo, cols);
+inline void tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out, int64_t ldo,
+                 int64_t cols) {
+  if constexpr (TYPE == Q6_K && !kVnni) panel_tile_q6k_pairs<V, MR>(qx, r0, panel, out, ldo, cols);
+  else if constexpr (TYPE == Q6_K) panel_tile_q6k<V, MR>(qx, r0, panel, out, ldo, cols);
   else if constexpr (TYPE == Q4_K || TYPE == Q5_K)
-    panel_tile_k<V, TYPE, MR>(qx, r0, panel, lane0, out, ldo, cols);
-  else panel_tile<V, TYPE, MR>(qx, r0, panel, lane0, out, ldo, cols);
+    panel_tile_k<V, TYPE, MR>(qx, r0, panel, out, ldo, cols);
+  else panel_tile<V, TYPE, MR>(qx, r0, panel, out, ldo, cols);
+}
+
+// Rows of x per tile: as many as the registers hold beside the tile's sums. 32 registers
+// (AVX-512): 8. AVX2's 16: 4 for the 32-weight types (8 sums of two column vectors), 3 for the
+// K-quants, whose sub-block loop holds more.
+template <class V, int64_t TYPE>
+constexpr int tile_rows() {
+  return V::L == 16 ? 8 : k_quant(TYPE) ? 3 : 4;
 }
 
 template <class V, int64_t TYPE, typename T>
 void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
-  constexpr int MR = 4;
+  constexpr int MR = tile_rows<V, TYPE>();
   const int64_t nb = qx.nb, panels = (n + PR - 1) / PR;
   const int64_t panel_bytes = nb * QK / block_weights(TYPE) * PR * packed_bytes(TYPE);
   // Panels outside (each panel's weights, 9-27 KB for SmolLM2, stay in L1/L2 over all rows of
-  // x), rows of x inside in tiles of 4; the quantized x is a quarter of its float32 bytes.
+  // x), rows of x inside in tiles of MR; the quantized x is a quarter of its float32 bytes.
 #pragma omp parallel for schedule(static) if (n * nb * (m < 4 ? m : 4) >= (1 << 11))
   for (int64_t p = 0; p < panels; ++p) {
     const uint8_t* panel = w + p * panel_bytes;
-    for (int64_t lane0 = 0; lane0 < PR; lane0 += V::L) {
-      const int64_t j0 = p * PR + lane0, cols = n - j0;
-      if (cols <= 0) break;
-      T* o = out + p * PR;
-      int64_t r = 0;
-      for (; r + MR <= m; r += MR) tile<V, TYPE, MR>(qx, r, panel, lane0, o, n, cols);
-      switch (m - r) {
-        case 3: tile<V, TYPE, 3>(qx, r, panel, lane0, o, n, cols); break;
-        case 2: tile<V, TYPE, 2>(qx, r, panel, lane0, o, n, cols); break;
-        case 1: tile<V, TYPE, 1>(qx, r, panel, lane0, o, n, cols); break;
-        default: break;
-      }
-    }
+    const int64_t cols = n - p * PR;
+    T* o = out + p * PR;
+    int64_t r = 0;
+    for (; r + MR <= m; r += MR) tile<V, TYPE, MR>(qx, r, panel, o, n, cols);
+    if constexpr (MR > 4)
+      for (; r + 4 <= m; r += 4) tile<V, TYPE, 4>(qx, r, panel, o, n, cols);
+    for (; r + 2 <= m; r += 2) tile<V, TYPE, 2>(qx, r, panel, o, n, cols);
+    if (r < m) tile<V, TYPE, 1>(qx, r, panel, o, n, cols);
   }
 }
 #endif
@@ -548,11 +829,13 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
   qx.s = static_cast<float*>(std::malloc(blocks * sizeof(float) + 4));
   qx.sum = static_cast<int32_t*>(std::malloc(blocks * sizeof(int32_t) + 4));
   qx.sum16 = static_cast<int32_t*>(std::malloc(2 * blocks * sizeof(int32_t) + 8));
+  qx.nsum = static_cast<int32_t*>(std::malloc(blocks * sizeof(int32_t) + 4));
+  qx.nsum16 = static_cast<int32_t*>(std::malloc(2 * blocks * sizeof(int32_t) + 8));
   int rc = 0;
-  if (!qx.q || !qx.d || !qx.s || !qx.sum || !qx.sum16) {
+  if (!qx.q || !qx.d || !qx.s || !qx.sum || !qx.sum16 || !qx.nsum || !qx.nsum16) {
     rc = -2;
   } else {
-    quantize_rows(x, m, k, qx);
+    quantize_rows(x, m, k, qx, generic != 0);
 #if PAGEDSERVE_SIMD
     if (!generic) {
       switch (type) {
@@ -572,6 +855,7 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
     if (generic) q8_generic(qx, w, out, m, n, type);
   }
   std::free(qx.q), std::free(qx.d), std::free(qx.s), std::free(qx.sum), std::free(qx.sum16);
+  std::free(qx.nsum), std::free(qx.nsum16);
   return rc;
 }
 

@@ -1,7 +1,7 @@
 """The int8-activation GGUF kernel (``--cpu-linear-mode int8``): every variant the CPU runs
 (portable loop, the tier's maddubs loop, its VNNI loop) on every ISA tier (the ``isa``
 fixture) equals ``kernels/q8_reference.py``'s torch arithmetic, for every type, at
-row counts that fill 4-row tiles and ragged ones, output counts that fill the 16-row panels
+row counts that fill the 8-, 4- and 3-row tiles and ragged ones, output counts that fill the 16-row panels
 and ragged ones (the half panels of AVX2's 8 lanes too), writing every output (NaN-poisoned
 buffers), float32 and bfloat16 activations."""
 
