@@ -314,10 +314,11 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
             w.add_tensor(name, t)
         elif qtype == Q.F16:
             w.add_tensor(name, t.astype(np.float16))
-        elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-            w.add_tensor(name, kquantize(t, qtype), raw_dtype=qtype)
-        elif qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):
-            w.add_tensor(name, lowbit_quantize(t, qtype), raw_dtype=qtype)
+        elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):
+            # row by row: a 3-D expert tensor's rows too, its leading dims kept
+            fn = kquantize if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else lowbit_quantize
+            rows = fn(t.reshape(-1, t.shape[-1]), qtype)
+            w.add_tensor(name, rows.reshape(*t.shape[:-1], -1), raw_dtype=qtype)
         else:
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 
