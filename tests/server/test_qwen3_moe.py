@@ -16,14 +16,12 @@ from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
-from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats, stream_chat
+from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.server.preemption import check_preempted_with_logprobs
 
 PROMPTS = ["Hi",
            "Tell me a long story about a dragon who learned to paint with watercolors.",
            "Explain paged attention in one sentence, please, and be brief about it."]
-# Four requests of ~45 prompt tokens and 40 generated: about 22 blocks of 16 at once.
-LONG_PROMPTS = [f"Request number {i}: tell me about {w}, at length and with care." for i, w in
-                enumerate(["cats", "the sea", "mountains", "paging"])]
 
 
 def random_qwen3_moe(path, mlp_only_layers=(1,), seed: int = 29, **kw):
@@ -80,19 +78,10 @@ async def test_batched_chunked_prefix_cached_greedy_matches_transformers(moe_dir
     assert after > before and again["choices"][0]["token_ids"] == want[1]
 
 
-async def test_preempted_requests_keep_the_greedy_output(moe_dir):
-    """Four requests at once in 12 blocks (about 22 wanted): the latest are preempted, their
-    blocks freed, and recomputed (prompt and generated tokens routed again, chunked by the
-    32-token budget) once blocks come back; every stream equals transformers'."""
-    wants = [hf_greedy(moe_dir, chat_prompt_ids(moe_dir, p), 40) for p in LONG_PROMPTS]
-    async with serve(moe_dir, num_blocks=12, max_model_len=160,
-                     max_num_batched_tokens=32) as client:
-        results = await asyncio.gather(
-            *(stream_chat(client, p, max_tokens=40, ignore_eos=True) for p in LONG_PROMPTS))
-        s = await stats(client)
-    assert [tokens for _, tokens, _ in results] == wants
-    assert s["scheduler"]["num_preempted_total"] > 0
-    assert s["kv_cache"]["num_free_blocks"] == 12
+async def test_preempted_requests_keep_the_greedy_output_and_logprobs(moe_dir):
+    """More requests than blocks: the preempted ones recompute (prompt and generated tokens
+    routed again) and still equal transformers' (``preemption.check_preempted_with_logprobs``)."""
+    await check_preempted_with_logprobs(moe_dir)
 
 
 async def test_tensor_and_pipeline_parallel_split_the_experts(moe_dir):

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig, MistralConfig, Mistral
 
 from pagedserve.gpu import loader
 from pagedserve.gpu.models import registry
-from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.conftest import chat, chat_prompt_ids, hf_greedy, hf_logprobs, serve, stats
 
 WINDOW, BLOCK = 32, 16
 STORY = ("Once upon a time a small dragon lived by the sea and learned to paint with "
@@ -40,15 +40,6 @@ def mistral_dir(tmp_path_factory, default_model_dir):
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
     return path
-
-
-def hf_logprobs(path, ids: list[int], n_prompt: int) -> list[float]:
-    """log-softmax of transformers' full (uncached, sliding-window-masked) forward at each
-    generated token."""
-    with torch.no_grad():
-        logits = _hf_model(str(path))(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits[n_prompt - 1 : len(ids) - 1], -1)
-    return lp.gather(1, torch.tensor(ids[n_prompt:])[:, None])[:, 0].tolist()
 
 
 def test_the_window_is_honoured_not_capped(mistral_dir):
