@@ -178,8 +178,9 @@ def _write_moe_gguf(tmp_path, default_model_dir, name: str, types=None, **config
 
 async def test_gguf_experts_kept_quantized_match_transformers(tmp_path, default_model_dir):
     """llama.cpp's ``qwen3moe`` layout (3-D Q8_0 / Q4_1 / Q4_0 expert tensors, F32 router)
-    served from the file's blocks, in both kernel modes: the experts are never de-quantized,
-    and greedy tokens and their logprobs equal transformers' on the de-quantized weights."""
+    served from the file's blocks, in both kernel modes and over two pipeline stages: the
+    experts are never de-quantized, and greedy tokens and their logprobs equal transformers'
+    on the de-quantized weights; tensor parallelism is refused in one line."""
     src, gguf = _write_moe_gguf(tmp_path, default_model_dir, "tiny-moe.gguf")
     meta = loader.load_config(loader.gguf_metadata_dir(gguf))
     assert (meta.model_type, meta.moe_intermediate_size, meta.num_experts) == (
@@ -196,7 +197,18 @@ async def test_gguf_experts_kept_quantized_match_transformers(tmp_path, default_
             assert lp == pytest.approx(want_lp, abs=2e-3)
         else:  # int8 activations: llama.cpp's arithmetic, close to the float products
             assert got["token_ids"][:3] == want[:3]
-    with pytest.raises(ValueError, match="GGUF mixture of experts is served by one process"):
+    # -pp 2: each stage reads its layer's experts from the file in place, as one process
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
+                     parallel=ParallelConfig(1, 2)) as client:
+        s = await stats(client)
+        body = await chat(client, PROMPTS[1], max_tokens=10, logprobs=True)
+    assert [r["layers"] for r in s["model"]["parallel"]] == [[0, 1], [1, 2]]
+    weights = s["config"]["model"]["weights_resident"]  # the first stage's: layer 0's router
+    assert (weights["dequantized_tensors"], weights["dequantized_types"]) == (1, ["F32"])
+    assert body["choices"][0]["token_ids"] == want
+    lp = [c["logprob"] for c in body["choices"][0]["logprobs"]["content"]]
+    assert lp == pytest.approx(want_lp, abs=2e-3)
+    with pytest.raises(ValueError, match="GGUF mixture of experts splits over pipeline stages"):
         async with serve(gguf, quantization="gguf", parallel=ParallelConfig(2, 1)):
             pass
 
