@@ -82,7 +82,8 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
     Raises:
         ValueError: the layout cannot split the model (one line: which count, and why), a
             draft model is asked for with several ranks, ``--quantization gguf`` would cut a
-            GGUF block across ranks (``gguf_split_problem``), a GGUF file holds experts, or
+            GGUF block across ranks (``gguf_split_problem``), a GGUF file holds experts
+            under tensor parallelism, or
             Ray is asked for and not installed.
     """
     if parallel.world_size == 1:
@@ -92,10 +93,12 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
                          "method ngram with --tensor-parallel-size/--pipeline-parallel-size")
     resolved = await asyncio.to_thread(loader.resolve_model, model.model)
     config = await asyncio.to_thread(loader.load_config, resolved.path)
-    if resolved.gguf_file is not None and getattr(config, "num_experts", 0):
-        raise ValueError("a GGUF mixture of experts is served by one process: its 3-D expert "
-                         "tensors are not split over ranks yet; drop --tensor-parallel-size/"
-                         "--pipeline-parallel-size or serve the safetensors checkpoint")
+    if (resolved.gguf_file is not None and getattr(config, "num_experts", 0)
+            and parallel.tensor_parallel_size > 1):
+        raise ValueError("a GGUF mixture of experts splits over pipeline stages only: its 3-D "
+                         "expert tensors are not split across tensor-parallel ranks; use "
+                         "--pipeline-parallel-size without --tensor-parallel-size, or serve "
+                         "the safetensors checkpoint")
     # With --quantization gguf the workers would refuse a block-cutting split too, one line each.
     check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                  gguf_split_problem if model.quantization == "gguf" else None)

@@ -20,6 +20,10 @@ one holding the file's tensors (``gguf_file.open_gguf`` maps the file):
 
 With no plan (``--quantization none``) every tensor is de-quantized into plain ``nn.Linear`` /
 ``nn.Embedding`` modules, our way (gguf-py's ``quants.dequantize``, as transformers does).
+
+A pipeline stage (``-pp`` without ``-tp``) builds its model the same way from its layers of the
+file: nothing is split inside a tensor, so nothing is copied (a mixture of experts' 3-D tensors
+included).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from pagedserve.gpu.loader import ModelLoadError
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+from pagedserve.gpu.parallel.comm import ParallelContext
+from pagedserve.gpu.parallel.layers import PPMissingLayer
 from pagedserve.kernels import gguf_ops
 
 log = structlog.get_logger(__name__)
@@ -232,11 +238,15 @@ def _norm_weight(b: _Builder, name: str) -> nn.Parameter:
 
 
 def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions: int, ops,
-                    device: torch.device, dtype: torch.dtype,
-                    plan: LinearPlan | None) -> tuple[LlamaForCausalLM, GGUFWeights]:
+                    device: torch.device, dtype: torch.dtype, plan: LinearPlan | None,
+                    parallel: ParallelContext | None = None,
+                    ) -> tuple[LlamaForCausalLM, GGUFWeights]:
     """The model of GGUF file ``path`` (``config`` from its metadata, ``loader``), on
     ``device`` (the CPU when ``plan`` is set: the kernels run there) in ``dtype``; ``plan``:
     the mode the quantized layers are made for, None: every tensor de-quantized.
+    ``parallel``: a pipeline stage (tensor-parallel size 1): only its layers, and the
+    embedding / final norm / ``lm_head`` where it runs them, are read from the file (views of
+    it, as in one process); the others stay ``PPMissingLayer``s.
 
     Raises:
         ModelLoadError: a tensor is missing or has another shape than the config says.
@@ -247,14 +257,19 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
         raise ModelLoadError(
             f"{path.name}: GGUF architecture '{f.arch}' is not read yet (GGUF: "
             f"{', '.join(gf.READ_ARCHS)}); serve the model's safetensors checkpoint instead")
+    if parallel is not None and parallel.layout.tp_size != 1:
+        raise ValueError("a GGUF file is read in place by pipeline stages only; tensor-"
+                         "parallel ranks read their share (parallel/gguf_ranks.py)")
     with torch.device("meta"):
-        model = registry.model_class(config)(config, backend, max_positions, ops)
+        model = registry.model_class(config)(config, backend, max_positions, ops, parallel)
     b = _Builder(f, config, dtype, plan)
     qwen_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
     layers = model.model.layers
     for i in tqdm(range(len(layers)), desc=f"loading {path.name}", unit="layer", delay=1.0,
                   leave=False):
         layer = layers[i]
+        if isinstance(layer, PPMissingLayer):  # another stage's
+            continue
         moe = isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)
         if moe:
             layer.mlp.gate = b.linear([f"blk.{i}.{gf.MOE_ROUTER}"], None)
@@ -278,11 +293,7 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
             if hasattr(layer.self_attn, attr):
                 getattr(layer.self_attn, attr).weight = _norm_weight(
                     b, f"blk.{i}.{short}.weight")
-    embed, head = b.embedding_and_head(bool(getattr(config, "tie_word_embeddings", False)))
-    _check_shape("token_embd", embed, model.model.embed_tokens)
-    _check_shape("lm_head", head, model.lm_head)
-    model.model.embed_tokens, model.lm_head = embed, head
-    model.model.norm.weight = _norm_weight(b, "output_norm.weight")
+    _load_ends(b, model, config)
     model.model.rotary_emb.init_tables(torch.device("cpu"))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
@@ -296,6 +307,20 @@ def load_gguf_model(path: Path, config: PretrainedConfig, backend, max_positions
                  types=sorted(set(b.dequantized.values())), names=sorted(b.dequantized),
                  reason="no kernel multiplies these types in place")
     return model, weights
+
+
+def _load_ends(b: _Builder, model: LlamaForCausalLM, config: PretrainedConfig) -> None:
+    """``token_embd``, ``lm_head`` and the final norm, those this stage runs (all of them in
+    one process; a tied head shares the embedding's part where both are on one stage)."""
+    embed, head = b.embedding_and_head(bool(getattr(config, "tie_word_embeddings", False)))
+    if not isinstance(model.model.embed_tokens, PPMissingLayer):
+        _check_shape("token_embd", embed, model.model.embed_tokens)
+        model.model.embed_tokens = embed
+    if not isinstance(model.lm_head, PPMissingLayer):
+        _check_shape("lm_head", head, model.lm_head)
+        model.lm_head = head
+    if not isinstance(model.model.norm, PPMissingLayer):
+        model.model.norm.weight = _norm_weight(b, "output_norm.weight")
 
 
 def _weights(model: nn.Module, f: gf.GGUFFile, dequantized: dict[str, str]) -> GGUFWeights:

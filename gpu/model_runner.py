@@ -187,10 +187,11 @@ class ModelRunner:
             mc.quantization if layout is None else mc.quantization or "none", resolved,
             self.device, self.dtype)
         plan = pick_linear_plan(mc, self.dtype) if self.quantization == "gguf" else None
-        if resolved.gguf_file is not None and layout is None:  # the file, read in place
+        # The file read in place by one process or a pipeline stage (no tensor split).
+        if resolved.gguf_file is not None and (layout is None or layout.tp_size == 1):
             model, self.gguf_weights = gguf_load.load_gguf_model(
                 resolved.gguf_file, self.hf_config, self.attn_backend, self.max_model_len, ops,
-                self.device, self.dtype, plan)
+                self.device, self.dtype, plan, self.parallel)
         else:
             model = self._load_folder(resolved, ops, layout, plan)
         if plan is not None:
@@ -223,9 +224,9 @@ class ModelRunner:
 
     def _load_folder(self, resolved: loader.ResolvedModel, ops, layout,
                      plan) -> LlamaForCausalLM:
-        """A Hugging Face folder's weights (a rank's share under parallelism); a GGUF's rank
-        reads them from transformers' de-quantized copy and its blocks from the file
-        (``parallel/gguf_ranks.py``)."""
+        """A Hugging Face folder's weights (a rank's share under parallelism); a GGUF's
+        tensor-parallel rank reads them from transformers' de-quantized copy and its blocks
+        from the file (``parallel/gguf_ranks.py``)."""
         folder = resolved.path if resolved.gguf_file is None else loader.convert_gguf(
             resolved.gguf_file)
         cls = registry.model_class(self.hf_config)

@@ -13,10 +13,18 @@ template writes / vocabulary has               parser
 ChatML template: SmolLM2)                      ``hermes``
 ``[TOOL_CALLS]`` (Mistral v0.3, Mixtral)       ``mistral``
 ``<|start_header_id|>`` (Llama 3.x)            ``llama3_json``
+``functools[`` (Phi-4-mini: pagedserve's
+``PHI4_MINI_TOOLS``, vLLM's Phi-4-mini
+tool template)                                 ``phi4_mini_json``
 ``<|im_start|>`` (other ChatML models)          ``hermes``
-none of them (Gemma 2/3, Phi-3/3.5/4-mini,
+none of them (Gemma 2/3, Phi-3/3.5,
 Mistral v0.1/v0.2)                             none
 ============================================  =============
+
+Gemma 2/3 have no call format of their own (vLLM has no parser for them either); vLLM's users
+run Gemma 3 with ``--tool-call-parser pythonic`` and a template that asks for Python-style
+calls (vLLM's ``examples/tool_chat_template_gemma3_pythonic.jinja``), which works here the same
+way (``--chat-template``).
 
 (``tests/server/test_family_templates.py`` checks each on a template modelled on the family's.)
 
@@ -37,6 +45,7 @@ log = structlog.get_logger(__name__)
 # then name the family from the vocabulary.
 _MARKERS: tuple[tuple[str, str], ...] = (
     ("<tool_call>", "hermes"),
+    ("functools[", "phi4_mini_json"),
     ("[TOOL_CALLS]", "mistral"),
     ("<|start_header_id|>", "llama3_json"),
     ("<|im_start|>", "hermes"),

@@ -157,6 +157,15 @@ def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[in
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_logprobs(path: Path, ids: list[int], n_prompt: int) -> list[float]:
+    """The logprob of each token after the first ``n_prompt`` of ``ids``: log-softmax of
+    transformers' full (uncached) float32 forward over ``ids`` at the position before it."""
+    with torch.no_grad():
+        logits = _hf_model(str(path))(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[n_prompt - 1 : len(ids) - 1], -1)
+    return lp.gather(1, torch.tensor(ids[n_prompt:])[:, None])[:, 0].tolist()
+
+
 def chat_prompt_ids(path: Path, content: str) -> list[int]:
     tok = hf_tokenizer(str(path))
     text = tok.apply_chat_template(

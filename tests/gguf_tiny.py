@@ -53,8 +53,11 @@ _GEMMA_NORMS = {
     "pre_feedforward_layernorm.weight": "ffn_norm",
     "post_feedforward_layernorm.weight": "post_ffw_norm",
 }
-_ARCHS = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3",
-          "phi3": "phi3"}
+_ARCHS = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2",
+          "gemma3_text": "gemma3", "phi3": "phi3"}
+# Qwen2's q/k/v biases, float32 as llama.cpp's converter keeps 1-D tensors.
+_BIASES = {"self_attn.q_proj.bias": "attn_q", "self_attn.k_proj.bias": "attn_k",
+           "self_attn.v_proj.bias": "attn_v"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -278,9 +281,9 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
     ``token_embd``'s type."""
     state = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    # A Qwen3 config is written as llama.cpp's ``qwen3`` architecture: q/k not interleaved,
-    # q/k norms, the head size as its own keys; Gemma's as ``gemma2`` / ``gemma3``; a Phi3
-    # one as ``phi3`` (``_phi3_keys``).
+    # A Qwen2 config is written as llama.cpp's ``qwen2`` (q/k not interleaved, q/k/v
+    # biases); a Qwen3 one as ``qwen3``: q/k not interleaved, q/k norms, the head size as its
+    # own keys; Gemma's as ``gemma2`` / ``gemma3``; a Phi3 one as ``phi3`` (``_phi3_keys``).
     arch = _ARCHS.get(config.model_type, "llama")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     w = GGUFWriter(str(out), arch)
@@ -314,10 +317,11 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
             w.add_tensor(name, t)
         elif qtype == Q.F16:
             w.add_tensor(name, t.astype(np.float16))
-        elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-            w.add_tensor(name, kquantize(t, qtype), raw_dtype=qtype)
-        elif qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):
-            w.add_tensor(name, lowbit_quantize(t, qtype), raw_dtype=qtype)
+        elif qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):
+            # row by row: a 3-D expert tensor's rows too, its leading dims kept
+            fn = kquantize if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else lowbit_quantize
+            rows = fn(t.reshape(-1, t.shape[-1]), qtype)
+            w.add_tensor(name, rows.reshape(*t.shape[:-1], -1), raw_dtype=qtype)
         else:
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 
@@ -349,6 +353,9 @@ def write_tiny_gguf(model_dir: Path, tokenizer_gguf: Path, out: Path, config,
             if short in ("attn_q", "attn_k") and arch == "llama":
                 t = _permute(t, heads if short == "attn_q" else kv_heads)
             add(f"blk.{i}.{short}.weight", t, qtype)
+        for suffix, short in _BIASES.items():
+            if f"model.layers.{i}.{suffix}" in state:
+                add(f"blk.{i}.{short}.bias", state[f"model.layers.{i}.{suffix}"], None)
         if shift:
             for suffix, short in _GEMMA_NORMS.items():
                 add(f"blk.{i}.{short}.weight", state[f"model.layers.{i}.{suffix}"] + shift, None)

@@ -16,11 +16,12 @@ from pagedserve.server.tool_parsers.base import (
 from pagedserve.server.tool_parsers.hermes import HermesToolParser
 from pagedserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedserve.server.tool_parsers.mistral import JsonArrayToolParser, MistralToolParser
+from pagedserve.server.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
 from pagedserve.server.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                        PythonicToolParser)
+                        Phi4MiniJsonToolParser, PythonicToolParser)
 }
 
 __all__ = ["TOOL_PARSERS", "Extracted", "JsonArrayToolParser", "StreamDelta", "ToolCall",

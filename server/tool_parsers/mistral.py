@@ -24,6 +24,7 @@ class JsonArrayToolParser(ToolParser):
 
     name: ClassVar[str] = "json_array"
     marker: ClassVar[str] = ""
+    arg_keys: ClassVar[tuple[str, ...]] = ("arguments",)  # the key of a call's arguments
 
     def __init__(self, max_calls: int | None = None, lenient: bool = False):
         super().__init__(max_calls)
@@ -43,7 +44,7 @@ class JsonArrayToolParser(ToolParser):
             return parsed
         if text[pos] != "[":
             raise MalformedCall("the calls are not a JSON array")
-        parsed.calls, end = scan_calls(text, pos + 1, ("arguments",), ",", "]")
+        parsed.calls, end = scan_calls(text, pos + 1, self.arg_keys, ",", "]")
         if final and end is None and not self.lenient:
             raise MalformedCall("the array of calls is not closed")
         return parsed

@@ -152,8 +152,9 @@ PHI35 = """\
 """
 PHI_VOCAB = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
-# Phi-4-mini-instruct: tools as a JSON string inside the system turn's <|tool|> ... <|/tool|>;
-# it answers calls as functools[...] (vLLM's phi4_mini_json, which pagedserve lacks).
+# Phi-4-mini-instruct: tools as a JSON string inside a system message's own ``tools`` field,
+# between <|tool|> and <|/tool|>; never a request's ``tools``, so pagedserve renders those with
+# its PHI4_MINI_TOOLS (calls as functools[...], read by phi4_mini_json, as vLLM's template).
 PHI4_MINI = """\
 {% for message in messages %}
 {%- if message['role'] == 'system' and 'tools' in message and message['tools'] is not none -%}
@@ -163,6 +164,46 @@ PHI4_MINI = """\
 {% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}
 """
 PHI4_VOCAB = [*PHI_VOCAB, "<|tool|>", "<|/tool|>", "<|tool_call|>", "<|/tool_call|>"]
+
+# vLLM's answer for Gemma 3 tools (examples/tool_chat_template_gemma3_pythonic.jinja, with
+# --tool-call-parser pythonic): Gemma's turns, the tools in the first user turn with a request
+# for a Python list of calls, calls written [name(key=value, ...)], results as user turns.
+GEMMA3_PYTHONIC = """\
+{{ bos_token }}
+{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' if messages[0]['role'] == 'system'
+    else '' -%}
+{%- set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages -%}
+{%- for message in loop_messages -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}
+    {{ '<start_of_turn>' + role + '\\n' }}
+    {%- if loop.first -%}
+        {{ first_user_prefix }}
+        {%- if tools is defined and tools is not none -%}
+            {{- 'To call functions, answer with a python list of the calls only: '
+                '[func_name1(param1=value1, param2=value2), func_name2(param=value)]\\n'
+                'The functions, as JSON:\\n' + (tools | tojson) + '\\n\\n' -}}
+        {%- endif -%}
+    {%- endif -%}
+    {%- if message.tool_calls is defined and message.tool_calls -%}
+        {{- '[' -}}
+        {%- for call in message.tool_calls -%}
+            {{- call.function.name + '(' -}}
+            {%- if call.function.arguments is mapping -%}
+                {%- for key, value in call.function.arguments.items() -%}
+                    {{- key + '=' + (value | tojson) -}}{%- if not loop.last %}, {% endif -%}
+                {%- endfor -%}
+            {%- endif -%}
+            {{- ')' -}}{%- if not loop.last %}, {% endif -%}
+        {%- endfor -%}
+        {{- ']' -}}
+    {%- endif -%}
+    {%- if message['role'] == 'tool' -%}
+        {{ '<tool_response>\\n' + message['content'] + '</tool_response>' }}
+    {%- else -%}{{ (message['content'] or '') | trim }}{%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}
+"""
 
 # Hermes 2 Pro on Llama 3: a Llama 3 vocabulary, a ChatML template writing <tool_call>.
 HERMES_LLAMA3 = QWEN25
@@ -188,6 +229,8 @@ FAMILIES = {
     "smollm2": (SMOLLM2, SMOLLM2_VOCAB, "hermes", "<tool_call>"),
     "mistral-v0.1": (MISTRAL_V01, MISTRAL_V01_VOCAB, None, None),
     "gemma2/gemma3": (GEMMA, GEMMA_VOCAB, None, None),
+    # pythonic by the flag only, as in vLLM: the template names no marker
+    "gemma3-pythonic": (GEMMA3_PYTHONIC, GEMMA_VOCAB, None, "[get_weather("),
     "phi3.5": (PHI35, PHI_VOCAB, None, None),
-    "phi4-mini": (PHI4_MINI, PHI4_VOCAB, None, None),
+    "phi4-mini": (PHI4_MINI, PHI4_VOCAB, "phi4_mini_json", "functools[{"),
 }

@@ -1,6 +1,6 @@
 """The model registry and the families beyond Llama (issue 29), each through the real server
-with greedy output equal to transformers' ``generate`` in float32, chunked prefill and a
-prefix-cache hit included; from safetensors and from GGUF."""
+with greedy output equal to transformers' ``generate`` in float32, chunked prefill, a
+prefix-cache hit, preempted requests and logprobs included; from safetensors and from GGUF."""
 
 from __future__ import annotations
 
@@ -25,7 +25,16 @@ from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
-from tests.conftest import chat, chat_prompt_ids, hf_gguf_greedy, hf_greedy, serve, stats
+from tests.conftest import (
+    chat,
+    chat_prompt_ids,
+    hf_gguf_greedy,
+    hf_greedy,
+    hf_logprobs,
+    serve,
+    stats,
+)
+from tests.server.preemption import check_preempted_with_logprobs
 
 # Longer than one 16-token block and than the 32-token step budget once templated.
 PROMPTS = ["Hi",
@@ -116,6 +125,10 @@ async def test_qwen3_greedy_matches_transformers(qwen3_dir):
         qwen3_dir, chat_prompt_ids(qwen3_dir, PROMPTS[1]), 16)
 
 
+async def test_qwen3_preempted_requests_and_logprobs_match_transformers(qwen3_dir):
+    await check_preempted_with_logprobs(qwen3_dir)
+
+
 async def test_qwen3_speculative_decoding_keeps_greedy_output(qwen3_dir):
     """n-gram drafts verified by Qwen3 (several tokens a step through the q/k norms)."""
     prompt = "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4"
@@ -159,12 +172,13 @@ LLAMA_CLASS_FAMILIES = {
 }
 
 
-def _family_dir(family: str, path, default_model_dir):
-    """A 2-layer random model of ``family`` (``LLAMA_CLASS_FAMILIES``) with SmolLM2's
-    tokenizer, saved in ``path``."""
+def _family_dir(family: str, path, default_model_dir, **overrides):
+    """A 2-layer random model of ``family`` (``LLAMA_CLASS_FAMILIES``; ``overrides`` replace
+    its config fields) with SmolLM2's tokenizer, saved in ``path``."""
     import transformers
 
     config_cls, arch, extra = LLAMA_CLASS_FAMILIES[family]
+    extra = {**extra, **overrides}
     torch.manual_seed(5)
     config = config_cls(**{
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -201,6 +215,13 @@ async def test_llama_class_families_match_transformers(family, tmp_path, default
         again = await chat(client, prompts[0], max_tokens=16)
         assert (await stats(client))["kv_cache"]["prefix_cache_hits"] > before
         assert again["choices"][0]["token_ids"] == want[0], family
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3.2"])
+async def test_llama_class_preempted_requests_and_logprobs(family, tmp_path, default_model_dir):
+    """Qwen2.5's biases and YaRN, Llama 3.x's scaled RoPE, through preemption and
+    recomputation (Mistral v0.1's: ``test_sliding_window.py``)."""
+    await check_preempted_with_logprobs(_family_dir(family, tmp_path, default_model_dir))
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "llama3.2"])
@@ -247,6 +268,26 @@ async def test_qwen3_gguf_kept_quantized_matches_transformers(tmp_path, default_
             assert body["prompt_token_ids"] == ids
             assert body["choices"][0]["token_ids"] == hf_gguf_greedy(gguf, ids, 12), prompt
     assert s["model"]["quantization"] == "gguf"
+
+
+async def test_qwen25_gguf_keeps_its_biases(tmp_path, default_model_dir):
+    """llama.cpp's ``qwen2`` architecture (rows not interleaved, q/k/v biases as
+    ``attn_*.bias``), float32 tensors: greedy tokens and logprobs equal transformers' on the
+    original weights (a Qwen2.5 without YaRN: llama.cpp's converter writes it as keys this
+    tiny writer leaves out)."""
+    from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
+
+    src = _family_dir("qwen2.5", tmp_path / "hf", default_model_dir,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-qwen2.gguf",
+                           loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
+    assert loader.load_config(loader.gguf_metadata_dir(gguf)).model_type == "qwen2"
+    ids = chat_prompt_ids(src, PROMPTS[1])
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
+        body = (await chat(client, PROMPTS[1], max_tokens=12, logprobs=True))["choices"][0]
+    assert body["token_ids"] == hf_greedy(src, ids, 12)
+    lps = [e["logprob"] for e in body["logprobs"]["content"]]
+    assert lps == pytest.approx(hf_logprobs(src, ids + body["token_ids"], len(ids)), abs=1e-4)
 
 
 async def test_llama3_gguf_keeps_its_rope_scaling(tmp_path, default_model_dir):

@@ -1,6 +1,7 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini (``Phi3ForCausalLM``, GGUF ``phi3``) through the real server:
 greedy output equal to transformers' ``generate`` in float32 on the same weights, batched,
-chunked and prefix-cached, under ``-tp 2``, and from GGUF files in llama.cpp's layout.
+chunked, prefix-cached and preempted (logprobs too), under ``-tp 2``, and from GGUF files in
+llama.cpp's layout.
 
 What sets the family apart, each in a tiny random config: q/k/v and gate/up stored fused;
 ``longrope`` with short and long factors (the long ones once the context passes the original
@@ -22,6 +23,7 @@ from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.rope import longrope_factors
 from tests.conftest import chat, chat_prompt_ids, hf_gguf_greedy, hf_greedy, serve, stats
+from tests.server.preemption import check_preempted_with_logprobs
 
 ORIGINAL, LONG = 128, 512  # the longrope configs' original and extended contexts
 PROMPTS = ["Hi",
@@ -103,6 +105,15 @@ async def test_phi3_families_match_transformers_batched_chunked_and_cached(
         assert again["choices"][0]["token_ids"] == want[1]
     expected = None if family == "phi3-mini" else "short"
     assert longrope_factors(config, ORIGINAL) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_phi3_families_preempted_requests_and_logprobs(family, tmp_path,
+                                                             default_model_dir):
+    """Within the original context: requests preempted and recomputed, and logprobs, equal
+    transformers' (``preemption.check_preempted_with_logprobs``)."""
+    await check_preempted_with_logprobs(phi3_dir(family, tmp_path, default_model_dir),
+                                        max_model_len=ORIGINAL)
 
 
 @pytest.mark.parametrize("family", ["phi3.5-mini", "phi4-mini"])

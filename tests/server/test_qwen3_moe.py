@@ -1,7 +1,8 @@
 """Qwen3-MoE (issue 29's mixture of experts) through the real server: greedy output equal to
-transformers' ``generate`` in float32 for batched, chunked and prefix-cached requests, with
-n-gram speculative decoding, under ``-tp 2 -pp 2`` (every expert's intermediate rows split),
-and from a GGUF file whose 3-D expert tensors stay quantized (``gpu/gguf_moe.py``)."""
+transformers' ``generate`` in float32 for batched, chunked, preempted and prefix-cached
+requests, with n-gram speculative decoding, under ``-tp 2 -pp 2`` (every expert's
+intermediate rows split), and from GGUF files whose 3-D expert tensors stay quantized
+(``gpu/gguf_moe.py``): legacy Q8_0 / Q4_1 / Q4_0 blocks, and Q4_K / Q5_K / Q6_K ones."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.server.preemption import check_preempted_with_logprobs
 
 PROMPTS = ["Hi",
            "Tell me a long story about a dragon who learned to paint with watercolors.",
@@ -74,6 +76,12 @@ async def test_batched_chunked_prefix_cached_greedy_matches_transformers(moe_dir
         after = (await stats(client))["kv_cache"]["prefix_cache_hits"]
     assert [b["choices"][0]["token_ids"] for b in bodies] == want
     assert after > before and again["choices"][0]["token_ids"] == want[1]
+
+
+async def test_preempted_requests_keep_the_greedy_output_and_logprobs(moe_dir):
+    """More requests than blocks: the preempted ones recompute (prompt and generated tokens
+    routed again) and still equal transformers' (``preemption.check_preempted_with_logprobs``)."""
+    await check_preempted_with_logprobs(moe_dir)
 
 
 async def test_tensor_and_pipeline_parallel_split_the_experts(moe_dir):
@@ -136,41 +144,98 @@ def _dequantized_hf(gguf, src):
     return model
 
 
-async def test_gguf_experts_kept_quantized_match_transformers(tmp_path, default_model_dir):
-    """llama.cpp's ``qwen3moe`` layout (3-D Q8_0 / Q4_1 / Q4_0 expert tensors, F32 router)
-    served from the file's blocks, in both kernel modes: the experts are never de-quantized,
-    and greedy tokens and their logprobs equal transformers' on the de-quantized weights."""
-    from tests.gguf_tiny import write_tiny_gguf
-
-    src = random_qwen3_moe(tmp_path / "hf", mlp_only_layers=(), num_hidden_layers=2)
-    gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-moe.gguf",
-                           loader.load_config(src))
-    meta = loader.load_config(loader.gguf_metadata_dir(gguf))
-    assert (meta.model_type, meta.moe_intermediate_size, meta.num_experts) == (
-        "qwen3_moe", 64, 8)
+def _oracle(gguf, src, prompt: str, n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy ``n`` tokens for ``prompt`` on ``gguf``'s de-quantized weights
+    (``_dequantized_hf``) and each one's logprob."""
     hf = _dequantized_hf(gguf, src)
-    ids = chat_prompt_ids(default_model_dir, PROMPTS[1])
+    ids = chat_prompt_ids(src, prompt)
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         want = out[0, len(ids):].tolist()
         logits = hf(out).logits[0, len(ids) - 1:-1].log_softmax(-1)
-    want_lp = [logits[j, t].item() for j, t in enumerate(want)]
+    return want, [logits[j, t].item() for j, t in enumerate(want)]
+
+
+async def _served_from_blocks(gguf, mode: str, max_tokens: int) -> tuple[dict, dict]:
+    """(the choice of one greedy chat with logprobs, ``weights_resident``) in ``mode``."""
+    async with serve(gguf, quantization="gguf", cpu_linear_mode=mode) as client:
+        s = await stats(client)
+        body = await chat(client, PROMPTS[1], max_tokens=max_tokens, logprobs=True)
+    return body["choices"][0], s["config"]["model"]["weights_resident"]
+
+
+def _write_moe_gguf(tmp_path, default_model_dir, name: str, types=None, **config):
+    """A 2-layer random Qwen3-MoE (every layer sparse; ``config`` overrides) with SmolLM2's
+    tokenizer, and its GGUF (``gguf_tiny.write_tiny_gguf``, ``types`` per GGUF tensor)."""
+    from tests.gguf_tiny import write_tiny_gguf
+
+    src = random_qwen3_moe(tmp_path / "hf", mlp_only_layers=(), num_hidden_layers=2, **config)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(src)
+    return src, write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / name,
+                                loader.load_config(src), types)
+
+
+async def test_gguf_experts_kept_quantized_match_transformers(tmp_path, default_model_dir):
+    """llama.cpp's ``qwen3moe`` layout (3-D Q8_0 / Q4_1 / Q4_0 expert tensors, F32 router)
+    served from the file's blocks, in both kernel modes and over two pipeline stages: the
+    experts are never de-quantized, and greedy tokens and their logprobs equal transformers'
+    on the de-quantized weights; tensor parallelism is refused in one line."""
+    src, gguf = _write_moe_gguf(tmp_path, default_model_dir, "tiny-moe.gguf")
+    meta = loader.load_config(loader.gguf_metadata_dir(gguf))
+    assert (meta.model_type, meta.moe_intermediate_size, meta.num_experts) == (
+        "qwen3_moe", 64, 8)
+    want, want_lp = _oracle(gguf, src, PROMPTS[1], 10)
     for mode in ("exact", "int8"):
-        async with serve(gguf, quantization="gguf", cpu_linear_mode=mode) as client:
-            s = await stats(client)
-            body = await chat(client, PROMPTS[1], max_tokens=10, logprobs=True)
-        weights = s["config"]["model"]["weights_resident"]
+        got, weights = await _served_from_blocks(gguf, mode, 10)
         # only the two F32 routers are float: every 3-D expert tensor is kept as blocks
         assert (weights["dequantized_tensors"], weights["dequantized_types"]) == (2, ["F32"])
         assert weights["quantized_bytes"] > weights["float_bytes"] / 4
-        got = body["choices"][0]
         if mode == "exact":  # the de-quantized weights' exact products
             assert got["token_ids"] == want
             lp = [c["logprob"] for c in got["logprobs"]["content"]]
             assert lp == pytest.approx(want_lp, abs=2e-3)
         else:  # int8 activations: llama.cpp's arithmetic, close to the float products
             assert got["token_ids"][:3] == want[:3]
-    with pytest.raises(ValueError, match="GGUF mixture of experts is served by one process"):
+    # -pp 2: each stage reads its layer's experts from the file in place, as one process
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
+                     parallel=ParallelConfig(1, 2)) as client:
+        s = await stats(client)
+        body = await chat(client, PROMPTS[1], max_tokens=10, logprobs=True)
+    assert [r["layers"] for r in s["model"]["parallel"]] == [[0, 1], [1, 2]]
+    weights = s["config"]["model"]["weights_resident"]  # the first stage's: layer 0's router
+    assert (weights["dequantized_tensors"], weights["dequantized_types"]) == (1, ["F32"])
+    assert body["choices"][0]["token_ids"] == want
+    lp = [c["logprob"] for c in body["choices"][0]["logprobs"]["content"]]
+    assert lp == pytest.approx(want_lp, abs=2e-3)
+    with pytest.raises(ValueError, match="GGUF mixture of experts splits over pipeline stages"):
         async with serve(gguf, quantization="gguf", parallel=ParallelConfig(2, 1)):
             pass
+
+
+async def test_kquant_gguf_experts_kept_quantized_match_transformers(tmp_path,
+                                                                    default_model_dir):
+    """A ``_K_M``-like file's experts: Q4_K gate, Q5_K up, Q6_K down (256-weight super-blocks,
+    so hidden and ``moe_intermediate_size`` are 256), read in place in both modes, none
+    de-quantized; in the exact mode (float32) greedy tokens and logprobs equal transformers'
+    on the de-quantized weights."""
+    from gguf import GGUFReader
+
+    from tests.gguf_tiny import Q
+
+    kquants = {"ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q5_K, "ffn_down_exps": Q.Q6_K}
+    src, gguf = _write_moe_gguf(tmp_path, default_model_dir, "tiny-moe-k.gguf", kquants,
+                                hidden_size=256, moe_intermediate_size=256)
+    types = {t.name: t.tensor_type for t in GGUFReader(str(gguf)).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == Q.Q6_K
+    assert types["blk.0.ffn_gate_exps.weight"] == Q.Q4_K
+    want, want_lp = _oracle(gguf, src, PROMPTS[1], 10)
+    for mode in ("exact", "int8"):
+        got, weights = await _served_from_blocks(gguf, mode, 10)
+        assert (weights["dequantized_tensors"], weights["dequantized_types"]) == (2, ["F32"])
+        if mode == "exact":
+            assert got["token_ids"] == want
+            lp = [c["logprob"] for c in got["logprobs"]["content"]]
+            assert lp == pytest.approx(want_lp, abs=2e-3)
+        else:
+            assert got["token_ids"][:3] == want[:3]

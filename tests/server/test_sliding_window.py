@@ -3,11 +3,13 @@
 windows long. Greedy tokens equal transformers' ``generate`` and logprobs its full forward's
 log-softmax, with chunked prefill, prefix-cache hits (by the window's rule), concurrent
 requests and preemption; the KV cache holds fewer blocks than the sequences' lengths need
-without the window, because blocks behind the window go back to the pool."""
+without the window, because blocks behind the window go back to the pool. A Mistral v0.1 GGUF
+(llama.cpp's ``llama`` architecture, no window key) attends over everything, as llama.cpp."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig, MistralConfig, Mistral
 
 from pagedserve.gpu import loader
 from pagedserve.gpu.models import registry
-from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats
+from tests.conftest import chat, chat_prompt_ids, hf_greedy, hf_logprobs, serve, stats
 
 WINDOW, BLOCK = 32, 16
 STORY = ("Once upon a time a small dragon lived by the sea and learned to paint with "
@@ -38,15 +40,6 @@ def mistral_dir(tmp_path_factory, default_model_dir):
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(path)
     return path
-
-
-def hf_logprobs(path, ids: list[int], n_prompt: int) -> list[float]:
-    """log-softmax of transformers' full (uncached, sliding-window-masked) forward at each
-    generated token."""
-    with torch.no_grad():
-        logits = _hf_model(str(path))(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits[n_prompt - 1 : len(ids) - 1], -1)
-    return lp.gather(1, torch.tensor(ids[n_prompt:])[:, None])[:, 0].tolist()
 
 
 def test_the_window_is_honoured_not_capped(mistral_dir):
@@ -148,3 +141,37 @@ async def test_parallel_and_speculative_decoding_keep_outputs(mistral_dir):
         assert s["kv_cache"]["num_released_blocks_total"] > 0
         if "speculative" in kw:
             assert s["scheduler"]["spec_decode"]["num_draft_tokens"] > 0
+
+
+async def test_a_mistral_v01_gguf_attends_to_the_whole_context_as_llama_cpp(
+        mistral_dir, tmp_path):
+    """llama.cpp's ``convert_hf_to_gguf.py`` writes a Mistral v0.1 checkpoint as its ``llama``
+    architecture (``LlamaModel``) and writes no window key for it, and llama.cpp's ``llama``
+    graph attends over the whole context. Such a file (float32 tensors here) is served the same
+    way: greedy tokens and logprobs equal transformers' on the same weights without the window,
+    and not the windowed model's (the prompt is three windows long)."""
+    from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
+
+    gguf = write_tiny_gguf(mistral_dir, loader.embedded_gguf_path(), tmp_path / "m.gguf",
+                           loader.load_config(mistral_dir), dict.fromkeys(LAYER_SHORTS),
+                           embedding=None)
+    config = loader.load_config(loader.gguf_metadata_dir(gguf))
+    assert config.model_type == "llama" and registry.kv_sliding_window(config) is None
+    unwindowed = tmp_path / "unwindowed"  # the same weights, the window taken out
+    unwindowed.mkdir()
+    for f in mistral_dir.iterdir():
+        if f.name != "config.json":
+            (unwindowed / f.name).symlink_to(f)
+    hf = json.loads((mistral_dir / "config.json").read_text())
+    (unwindowed / "config.json").write_text(json.dumps({**hf, "sliding_window": None}))
+    ids = chat_prompt_ids(mistral_dir, PROMPTS[0])
+    async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
+                     block_size=BLOCK) as client:
+        body = await chat(client, PROMPTS[0], max_tokens=12, ignore_eos=True, logprobs=True)
+        kv = (await stats(client))["kv_cache"]
+    got = body["choices"][0]["token_ids"]
+    lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+    assert len(ids) > 3 * WINDOW and kv["sliding_window"] is None
+    assert got == hf_greedy(unwindowed, ids, 12)
+    assert lps == pytest.approx(hf_logprobs(unwindowed, ids + got, len(ids)), abs=1e-4)
+    assert lps != pytest.approx(hf_logprobs(mistral_dir, ids + got, len(ids)), abs=1e-2)

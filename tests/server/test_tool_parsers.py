@@ -43,6 +43,13 @@ CASES = [
     ("mistral", 'Sure.[TOOL_CALLS][{"name": "ping", "arguments": {}}]', "Sure.",
      [("ping", {})]),
     ("mistral", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+    ("phi4_mini_json",  # Phi-4-mini-instruct (vLLM's template): two calls in one list
+     'functools[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}]',
+     None, [("get_weather", WEATHER), ("get_time", {"tz": "Europe/Paris"})]),
+    ("phi4_mini_json", 'I will look it up.\nfunctools[{"name": "ping", "arguments": {}}]',
+     "I will look it up.", [("ping", {})]),
+    ("phi4_mini_json", "Paris is the capital of France.", "Paris is the capital of France.", []),
     ("pythonic",  # Llama-3.2-3B-Instruct
      '[get_weather(city="Paris", unit="celsius"), get_time(tz=\'Europe/Paris\')]',
      None, [("get_weather", WEATHER), ("get_time", {"tz": "Europe/Paris"})]),
@@ -64,6 +71,9 @@ MALFORMED = [
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}} and some prose'),
     ("mistral", '[TOOL_CALLS] here is what I would call'),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}'),  # never closed
+    ("phi4_mini_json", "Python's functools module has lru_cache."),
+    ("phi4_mini_json", 'functools[{"name": "f", "arguments": {"a": 1}}'),  # never closed
+    ("phi4_mini_json", 'functools[{"name": "f"}]'),  # no arguments
     ("pythonic", '[1, 2, 3]'),
     ("pythonic", '[get_weather("Paris")]'),
     ("pythonic", '[f(x=open("/etc/passwd"))]'),
