@@ -1,7 +1,9 @@
 """The executor actor over Ray actors (``--distributed-executor-backend ray``; vLLM's
-``RayDistributedExecutor``, read to learn only): the same ``gpu.worker.Worker`` per rank and the
-same torch.distributed groups as the mp backend, placed by a placement group of one bundle per
-rank (one CPU, or one GPU on CUDA) across the machines of a running Ray cluster
+``RayDistributedExecutor``, read to learn only): the same ``gpu.worker.Worker`` per rank
+(behind ``ray_worker.RayWorker``, which keeps a checkout's ``kernels/`` folder from shadowing
+Hugging Face's package in the worker processes) and the same torch.distributed groups as the
+mp backend, placed by a placement group of one bundle per rank (one CPU, or one GPU on CUDA)
+across the machines of a running Ray cluster
 (``RAY_ADDRESS``, or ``ray start --head`` on this machine), else on a local Ray instance that
 this executor starts and stops.
 
@@ -19,9 +21,9 @@ import time
 import structlog
 
 from pagedserve.actors.multiproc_executor import MultiprocExecutor, WorkerFailed, merge_infos
+from pagedserve.actors.ray_worker import RayWorker
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.model_runner import ModelInfo
-from pagedserve.gpu.worker import Worker
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +63,7 @@ class RayExecutor(MultiprocExecutor):
         bundle = {"GPU": 1} if cuda else {"CPU": 1}
         self.placement_group = placement_group([bundle] * len(self.specs), strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=300)
-        remote = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else 1)(Worker)
+        remote = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else 1)(RayWorker)
         self.actors = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.placement_group, placement_group_bundle_index=s.rank)).remote(s)
             for s in self.specs]
