@@ -215,6 +215,14 @@ def check_served_logprobs(answer: dict, model, tol: float = 1e-4) -> None:
     assert worst <= tol, f"logprobs differ by up to {worst:.2e} (> {tol:.0e}) over {len(ids)} ids"
 
 
+def check_served_answer(answer: dict, model, prompt_ids: list[int], max_tokens: int) -> None:
+    """``answer``, a greedy completion of ``prompt_ids`` asked ``WITH_LOGPROBS``, equals
+    transformers ``model``: its tokens ``model``'s greedy ``max_tokens`` (``model_greedy``),
+    its logprobs ``model``'s forward's (``check_served_logprobs``)."""
+    assert answer["choices"][0]["token_ids"] == model_greedy(model, prompt_ids, max_tokens)
+    check_served_logprobs(answer, model)
+
+
 def chat_prompt_ids(path: Path, content: str) -> list[int]:
     tok = hf_tokenizer(str(path))
     text = tok.apply_chat_template(
