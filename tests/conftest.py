@@ -158,11 +158,6 @@ def model_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt_ids):].tolist()
 
 
-def hf_gguf_greedy(gguf: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy ``generate`` of transformers' own GGUF loading of ``gguf`` (``hf_gguf_model``)."""
-    return model_greedy(hf_gguf_model(gguf), prompt_ids, max_new_tokens)
-
-
 def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: transformers' greedy ``generate`` in float32 (stops after EOS, included)."""
     return model_greedy(hf_model(path), prompt_ids, max_new_tokens)
