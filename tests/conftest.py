@@ -129,26 +129,27 @@ def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_model(path: Path):
+    """transformers' float32 model saved in ``path`` (loaded once: cached)."""
+    return _hf_model(str(path))
+
+
 @lru_cache(maxsize=4)
 def hf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def hf_gguf_greedy(gguf: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own GGUF loading (its de-quantized float32 model) of file ``gguf``:
-    greedy ``generate``'s new tokens for ``prompt_ids``, ``max_new_tokens`` of them."""
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                          do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
+def hf_gguf_model(gguf: Path, config=None):
+    """transformers' own GGUF loading of file ``gguf``: its de-quantized float32 model.
+    ``config`` replaces the one transformers reads off the file's metadata, where that misses
+    what a family needs (Gemma's caps and query scale, Llama 3.x's RoPE scaling)."""
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                dtype=torch.float32).eval()
 
 
-def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The oracle: transformers' greedy ``generate`` in float32 (stops after EOS, included)."""
-    model = _hf_model(str(path))
+def model_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """``model``'s greedy ``generate``: its new tokens for ``prompt_ids`` (stops after EOS,
+    included)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -157,13 +158,64 @@ def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[in
     return out[0, len(prompt_ids):].tolist()
 
 
-def hf_logprobs(path: Path, ids: list[int], n_prompt: int) -> list[float]:
-    """The logprob of each token after the first ``n_prompt`` of ``ids``: log-softmax of
-    transformers' full (uncached) float32 forward over ``ids`` at the position before it."""
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' greedy ``generate`` in float32 (stops after EOS, included)."""
+    return model_greedy(hf_model(path), prompt_ids, max_new_tokens)
+
+
+def model_logprobs(model, ids: list[int], start: int) -> list[float]:
+    """The logprob of each token of ``ids`` from index ``start`` (at least 1) on: log-softmax
+    of ``model``'s full (uncached) float32 forward over ``ids`` at the position before it."""
     with torch.no_grad():
-        logits = _hf_model(str(path))(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits[n_prompt - 1 : len(ids) - 1], -1)
-    return lp.gather(1, torch.tensor(ids[n_prompt:])[:, None])[:, 0].tolist()
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[start - 1 : len(ids) - 1], -1)
+    return lp.gather(1, torch.tensor(ids[start:])[:, None])[:, 0].tolist()
+
+
+def hf_logprobs(path: Path, ids: list[int], n_prompt: int) -> list[float]:
+    """``model_logprobs`` of transformers' float32 model in ``path`` after ``n_prompt``
+    tokens."""
+    return model_logprobs(hf_model(path), ids, n_prompt)
+
+
+# A chat request's body keys for ``check_served_logprobs``: every generated token's logprob
+# and every prompt token's (vLLM's ``prompt_logprobs``; 0: its own entry alone). Completions
+# take ``logprobs: 0`` instead.
+WITH_LOGPROBS = {"logprobs": True, "prompt_logprobs": 0, "return_token_ids": True}
+
+
+def served_logprobs(answer: dict) -> tuple[list[int], list[float]]:
+    """A chat or text completion asked ``WITH_LOGPROBS``: its first choice's prompt and
+    generated ids, and the logprob served for each of them after the first."""
+    choice = answer["choices"][0]
+    if "message" in choice:  # chat: the prompt's ids and logprobs are the answer's
+        prompt_ids, prompt_lps = answer["prompt_token_ids"], answer["prompt_logprobs"]
+        generated = [e["logprob"] for e in choice["logprobs"]["content"]]
+    else:
+        prompt_ids, prompt_lps = choice["prompt_token_ids"], choice["prompt_logprobs"]
+        generated = choice["logprobs"]["token_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(prompt_ids)
+    prompt = [entry[str(t)]["logprob"] for t, entry in zip(prompt_ids[1:], prompt_lps[1:],
+                                                           strict=True)]
+    return prompt_ids + choice["token_ids"], prompt + generated
+
+
+def check_served_logprobs(answer: dict, model, tol: float = 1e-4) -> None:
+    """The logprobs ``answer`` (``served_logprobs``) gives every token after the first, prompt
+    and generated, equal transformers ``model``'s full float32 forward's (``model_logprobs``)
+    within ``tol``."""
+    ids, got = served_logprobs(answer)
+    want = model_logprobs(model, ids, 1)
+    worst = max(abs(g - w) for g, w in zip(got, want, strict=True))
+    assert worst <= tol, f"logprobs differ by up to {worst:.2e} (> {tol:.0e}) over {len(ids)} ids"
+
+
+def check_served_answer(answer: dict, model, prompt_ids: list[int], max_tokens: int) -> None:
+    """``answer``, a greedy completion of ``prompt_ids`` asked ``WITH_LOGPROBS``, equals
+    transformers ``model``: its tokens ``model``'s greedy ``max_tokens`` (``model_greedy``),
+    its logprobs ``model``'s forward's (``check_served_logprobs``)."""
+    assert answer["choices"][0]["token_ids"] == model_greedy(model, prompt_ids, max_tokens)
+    check_served_logprobs(answer, model)
 
 
 def chat_prompt_ids(path: Path, content: str) -> list[int]:

@@ -2,8 +2,8 @@
 changed), against ``pagedserve serve`` at the default flags, what ``make serve`` runs, answers
 "Paris" on every CPU tier this CPU can run (``PAGEDSERVE_CPU_ISA`` caps the tier; the default
 dtype and linear mode follow the tier, so each tier is its own arithmetic). Every
-``pagedserve ...`` command it shows parses, and the ``pagedserve`` it names is where ``make``
-puts it."""
+``pagedserve ...`` command it shows parses, the ``pagedserve`` it names is where ``make``
+puts it, and its table of supported architectures is what the code serves."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ def curls() -> list[list[str]]:
         for part in re.split(r"^(?=curl )", block.replace("\\\n", " "), flags=re.M)[1:]:
             out.append(shlex.split(part, comments=True))
     return out
+
+
+def readme_table(heading: str) -> list[list[str]]:
+    """The body rows of the first table after the README's line ``heading``, each a list of
+    its cells as written (no cell here holds a ``|``)."""
+    section = README.read_text(encoding="utf-8").split(f"\n{heading}\n", 1)[1]
+    table = re.search(r"^(?:\|.*\n)+", section, re.M)
+    assert table, f"no table under {heading!r}"
+    rows = [line.strip().strip("|").split("|") for line in table.group(0).splitlines()]
+    return [[cell.strip() for cell in row] for row in rows[2:]]  # after the header and |---|
 
 
 def first_curl() -> list[str]:
@@ -186,3 +196,19 @@ def test_the_readme_names_the_pagedserve_that_make_installs():
     makefile = (README.parent / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^VENV\s*\?=\s*\.venv$", makefile, re.M)
     assert "\t$(VENV)/bin/pagedserve serve $(ARGS)" in makefile
+
+
+def test_the_supported_architectures_table_lists_what_the_registry_serves():
+    """Every ``architectures`` name the registry gives a model class, once, and every GGUF
+    ``general.architecture`` the loader reads (``gguf_file.READ_ARCHS``), and no other name:
+    the table cannot drift from the code."""
+    from pagedserve.gpu import gguf_file
+    from pagedserve.gpu.models import registry
+
+    rows = readme_table("### Supported architectures")
+
+    def named(column: int) -> list[str]:
+        return [name for row in rows for name in re.findall(r"`([^`]+)`", row[column])]
+
+    assert sorted(named(1)) == sorted(registry.ARCHITECTURES)
+    assert set(named(2)) == set(gguf_file.READ_ARCHS)

@@ -26,11 +26,13 @@ from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.qwen3 import Qwen3ForCausalLM
 from tests.conftest import (
+    WITH_LOGPROBS,
     chat,
     chat_prompt_ids,
-    hf_gguf_greedy,
+    check_served_answer,
+    hf_gguf_model,
     hf_greedy,
-    hf_logprobs,
+    hf_model,
     serve,
     stats,
 )
@@ -238,7 +240,8 @@ async def test_qwen25_and_llama3_under_tensor_parallel(family, tmp_path, default
 async def test_qwen3_gguf_head_dim_comes_from_the_tensors(tmp_path, default_model_dir):
     """transformers' GGUF config gives Qwen3 its default ``head_dim`` (128) whatever the file
     has; ours reads it off ``attn_q``'s rows. float32 tensors: transformers on the original
-    weights is the oracle."""
+    weights is the oracle, of the greedy tokens and of every prompt and generated token's
+    logprob."""
     from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
 
     src = _random_qwen3(tmp_path / "hf", head_dim=32)
@@ -246,35 +249,37 @@ async def test_qwen3_gguf_head_dim_comes_from_the_tensors(tmp_path, default_mode
                            loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
     assert loader.load_config(loader.gguf_metadata_dir(gguf)).head_dim == 32
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
-        body = await chat(client, PROMPTS[1], max_tokens=12)
+        body = await chat(client, PROMPTS[1], max_tokens=12, **WITH_LOGPROBS)
     ids = chat_prompt_ids(default_model_dir, PROMPTS[1])
-    assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 12)
+    check_served_answer(body, hf_model(src), ids, 12)
 
 
 async def test_qwen3_gguf_kept_quantized_matches_transformers(tmp_path, default_model_dir):
     """llama.cpp's ``qwen3`` architecture (q/k norms as ``attn_q_norm``/``attn_k_norm``, rows
     not interleaved), its Q8_0/Q4_0/Q4_1 blocks read in place, against transformers' own
-    reading of the file (``head_dim`` 128, which transformers assumes for Qwen3)."""
+    reading of the file (``head_dim`` 128, which transformers assumes for Qwen3): greedy
+    tokens and the logprobs of the prompt and generated tokens."""
     from tests.gguf_tiny import write_tiny_gguf
 
     src = _random_qwen3(tmp_path / "hf", head_dim=128)
     gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-qwen3.gguf",
                            loader.load_config(src))
+    hf = hf_gguf_model(gguf)
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
         s = await stats(client)
         for prompt in PROMPTS[:2]:
             ids = chat_prompt_ids(default_model_dir, prompt)
-            body = await chat(client, prompt, max_tokens=12)
+            body = await chat(client, prompt, max_tokens=12, **WITH_LOGPROBS)
             assert body["prompt_token_ids"] == ids
-            assert body["choices"][0]["token_ids"] == hf_gguf_greedy(gguf, ids, 12), prompt
+            check_served_answer(body, hf, ids, 12)
     assert s["model"]["quantization"] == "gguf"
 
 
 async def test_qwen25_gguf_keeps_its_biases(tmp_path, default_model_dir):
     """llama.cpp's ``qwen2`` architecture (rows not interleaved, q/k/v biases as
-    ``attn_*.bias``), float32 tensors: greedy tokens and logprobs equal transformers' on the
-    original weights (a Qwen2.5 without YaRN: llama.cpp's converter writes it as keys this
-    tiny writer leaves out)."""
+    ``attn_*.bias``), float32 tensors: greedy tokens and the prompt's and generated tokens'
+    logprobs equal transformers' on the original weights (a Qwen2.5 without YaRN: llama.cpp's
+    converter writes it as keys this tiny writer leaves out)."""
     from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
 
     src = _family_dir("qwen2.5", tmp_path / "hf", default_model_dir,
@@ -284,28 +289,32 @@ async def test_qwen25_gguf_keeps_its_biases(tmp_path, default_model_dir):
     assert loader.load_config(loader.gguf_metadata_dir(gguf)).model_type == "qwen2"
     ids = chat_prompt_ids(src, PROMPTS[1])
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
-        body = (await chat(client, PROMPTS[1], max_tokens=12, logprobs=True))["choices"][0]
-    assert body["token_ids"] == hf_greedy(src, ids, 12)
-    lps = [e["logprob"] for e in body["logprobs"]["content"]]
-    assert lps == pytest.approx(hf_logprobs(src, ids + body["token_ids"], len(ids)), abs=1e-4)
+        body = await chat(client, PROMPTS[1], max_tokens=12, **WITH_LOGPROBS)
+    check_served_answer(body, hf_model(src), ids, 12)
 
 
-async def test_llama3_gguf_keeps_its_rope_scaling(tmp_path, default_model_dir):
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "kept-quantized"])
+async def test_llama3_gguf_keeps_its_rope_scaling(quantized, tmp_path, default_model_dir):
     """A Llama 3.x GGUF carries its ``llama3`` RoPE scaling only as the ``rope_freqs`` tensor
-    (transformers' GGUF config drops it): served from the file (float32 tensors, so the
-    oracle is transformers on the original weights), greedy equals the scaled model's."""
-    from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
+    (transformers' GGUF config drops it): served from the file, greedy tokens and the prompt's
+    and generated tokens' logprobs equal the scaled model's. The oracle: for float32 tensors
+    transformers on the original weights; for Q8_0/Q4_0/Q4_1 blocks read in place (a Q8_0
+    tied embedding), transformers' de-quantized reading of the file with the original config
+    (its RoPE scaling)."""
+    from tests.gguf_tiny import LAYER_SHORTS, Q, write_tiny_gguf
 
     src = _family_dir("llama3.2", tmp_path / "hf", default_model_dir)
+    types, embedding = (None, Q.Q8_0) if quantized else (dict.fromkeys(LAYER_SHORTS), None)
     gguf = write_tiny_gguf(src, loader.embedded_gguf_path(), tmp_path / "tiny-llama3.gguf",
-                           loader.load_config(src), dict.fromkeys(LAYER_SHORTS), embedding=None)
+                           loader.load_config(src), types, embedding=embedding)
     factors = loader.load_config(loader.gguf_metadata_dir(gguf)).rope_freq_factors
     assert len(factors) == 8 and max(factors) == pytest.approx(8.0) and min(factors) == 1.0
+    hf = hf_gguf_model(gguf, loader.load_config(src)) if quantized else hf_model(src)
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
         for prompt in PROMPTS[1:]:
             ids = chat_prompt_ids(src, prompt)
-            body = await chat(client, prompt, max_tokens=16)
-            assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 16), prompt
+            body = await chat(client, prompt, max_tokens=16, **WITH_LOGPROBS)
+            check_served_answer(body, hf, ids, 16)
 
 
 async def test_a_context_past_an_unapplied_sliding_window_is_refused(tmp_path, default_model_dir,

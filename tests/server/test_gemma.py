@@ -18,7 +18,19 @@ from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.gpu.models.gemma3 import Gemma3ForCausalLM
-from tests.conftest import _hf_model, chat, chat_prompt_ids, hf_greedy, serve, stats, stream_chat
+from tests.conftest import (
+    WITH_LOGPROBS,
+    _hf_model,
+    chat,
+    chat_prompt_ids,
+    check_served_answer,
+    hf_gguf_model,
+    hf_greedy,
+    hf_model,
+    serve,
+    stats,
+    stream_chat,
+)
 
 # Gemma's turn format, with its refusal of a system turn (transformers raises from the
 # template's raise_exception), over SmolLM2's vocabulary.
@@ -204,7 +216,8 @@ async def test_gemma_speculative_decoding_keeps_greedy_output(tmp_path, default_
 async def test_gemma_gguf_matches_transformers(family, tmp_path, default_model_dir):
     """llama.cpp's layout (four norms a layer stored plus one, q/k rows not interleaved, the
     window, caps and Gemma 3's RoPE scaling as metadata keys, no query_pre_attn_scalar: the
-    head size), float32 tensors: transformers on the original weights is the oracle."""
+    head size), float32 tensors: transformers on the original weights is the oracle, of the
+    greedy tokens, their top logprobs and every prompt token's logprob."""
     from tests.gguf_tiny import LAYER_SHORTS, write_tiny_gguf
 
     head_dim = 16 if family == "gemma2" else 32
@@ -221,29 +234,22 @@ async def test_gemma_gguf_matches_transformers(family, tmp_path, default_model_d
         assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     prompt = PROMPTS[2]
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact") as client:
-        body = await chat(client, prompt, max_tokens=8, logprobs=True, top_logprobs=3)
+        body = await chat(client, prompt, max_tokens=8, top_logprobs=3, **WITH_LOGPROBS)
     # The prompt as the file's tokenizer gave it: transformers builds SmolLM2's BPE under a
     # gemma architecture its own way (real Gemma files carry a sentencepiece vocabulary).
     ids = body["prompt_token_ids"]
     assert len(ids) > 16
-    assert body["choices"][0]["token_ids"] == hf_greedy(src, ids, 8)
+    check_served_answer(body, hf_model(src), ids, 8)
     check_logprobs(src, ids, body["choices"][0])
-
-
-def hf_gguf_model(gguf, config):
-    """transformers' own de-quantization of ``gguf`` into its Gemma class, with the config
-    as we read the file (transformers' GGUF config lacks the caps, the scale, the RoPE)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
-                                                dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 async def test_gemma_gguf_kept_quantized_matches_transformers(family, tmp_path,
                                                                default_model_dir):
     """Q8_0 / Q4_0 / Q4_1 blocks read in place (the tied Q8_0 embedding scaled after its
-    lookup), against transformers' de-quantized reading of the same file."""
+    lookup), against transformers' de-quantized reading of the same file with the config as
+    we read it (transformers' GGUF config lacks the caps, the scale, the RoPE): greedy tokens
+    and the prompt's and generated tokens' logprobs."""
     from tests.gguf_tiny import write_tiny_gguf
 
     head_dim = 16 if family == "gemma2" else 32
@@ -254,11 +260,7 @@ async def test_gemma_gguf_kept_quantized_matches_transformers(family, tmp_path,
     parallel = ParallelConfig(2, 1) if family == "gemma3" else ParallelConfig()
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
                      parallel=parallel) as client:
-        body = await chat(client, PROMPTS[3], max_tokens=8)
-    ids = body["prompt_token_ids"]
+        body = await chat(client, PROMPTS[3], max_tokens=8, **WITH_LOGPROBS)
     hf = hf_gguf_model(gguf, loader.load_config(loader.gguf_metadata_dir(gguf)))
     assert hf.config.query_pre_attn_scalar == head_dim  # ours, not transformers' default 256
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    assert body["choices"][0]["token_ids"] == out[0, len(ids):].tolist()
+    check_served_answer(body, hf, body["prompt_token_ids"], 8)

@@ -22,7 +22,17 @@ from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM
 from pagedserve.gpu.models.rope import longrope_factors
-from tests.conftest import chat, chat_prompt_ids, hf_gguf_greedy, hf_greedy, serve, stats
+from tests.conftest import (
+    WITH_LOGPROBS,
+    chat,
+    chat_prompt_ids,
+    check_served_answer,
+    hf_gguf_model,
+    hf_greedy,
+    hf_model,
+    serve,
+    stats,
+)
 from tests.server.preemption import check_preempted_with_logprobs
 
 ORIGINAL, LONG = 128, 512  # the longrope configs' original and extended contexts
@@ -73,12 +83,17 @@ def phi3_dir(family: str, path, default_model_dir, long_as_short: bool = False):
     return path
 
 
-async def completion_ids(client, prompt_ids: list[int], max_tokens: int) -> list[int]:
+async def completion(client, prompt_ids: list[int], max_tokens: int, **body) -> dict:
+    """A greedy text completion of ``prompt_ids`` (``body``: more request keys)."""
     r = await client.post("/v1/completions", json={
         "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True})
+        "return_token_ids": True, **body})
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return r.json()
+
+
+async def completion_ids(client, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    return (await completion(client, prompt_ids, max_tokens))["choices"][0]["token_ids"]
 
 
 def random_prompt(seed: int, n: int) -> list[int]:
@@ -170,7 +185,8 @@ async def test_phi3_gguf_keeps_longrope_and_partial_rotary(family, tmp_path, def
     """llama.cpp's ``phi3`` layout (fused ``attn_qkv`` and ``ffn_up``, the factors as
     ``rope_factors_long/short`` tensors, ``rope.dimension_count`` 12 of 16 for Phi-4-mini),
     float32 tensors: transformers on the original weights is the oracle (its own GGUF
-    reading drops longrope and partial rotary)."""
+    reading drops longrope and partial rotary), of the greedy tokens and every prompt and
+    generated token's logprob (all rotated with the long factors)."""
     src, gguf = _phi3_gguf(family, tmp_path, default_model_dir)
     config = loader.load_config(loader.gguf_metadata_dir(gguf))
     rope = config.rope_parameters
@@ -181,28 +197,29 @@ async def test_phi3_gguf_keeps_longrope_and_partial_rotary(family, tmp_path, def
     async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
                      max_model_len=None) as client:
         assert (await client.get("/v1/models")).json()["data"][0]["max_model_len"] == LONG
-        got = await completion_ids(client, long_prompt, 12)
-    assert got == hf_greedy(src, long_prompt, 12)
+        answer = await completion(client, long_prompt, 12, logprobs=0, prompt_logprobs=0)
+    check_served_answer(answer, hf_model(src), long_prompt, 12)
 
 
 async def test_phi3_gguf_kept_quantized_matches_transformers_reading_of_the_file(
         tmp_path, default_model_dir):
     """Phi-3-mini's shape (untied ``output``) with Q8_0 / Q4_0 / Q4_1 blocks read in place,
     one process and -tp 2 (each rank its rows of each fused part of ``attn_qkv`` and
-    ``ffn_up``), against transformers' own de-quantized reading of the same file."""
+    ``ffn_up``), against transformers' own de-quantized reading of the same file: greedy
+    tokens and the prompt's and generated tokens' logprobs."""
     from tests.gguf_tiny import Q
 
     _, gguf = _phi3_gguf("phi3-mini", tmp_path, default_model_dir, types={},
                          embedding=Q.Q8_0)
     ids = chat_prompt_ids(default_model_dir, PROMPTS[1])
-    want = hf_gguf_greedy(gguf, ids, 12)
+    hf = hf_gguf_model(gguf)
     for parallel in (ParallelConfig(), ParallelConfig(2, 1)):
         async with serve(gguf, quantization="gguf", cpu_linear_mode="exact",
                          parallel=parallel) as client:
             s = await stats(client)
-            body = await chat(client, PROMPTS[1], max_tokens=12)
+            body = await chat(client, PROMPTS[1], max_tokens=12, **WITH_LOGPROBS)
         assert s["model"]["quantization"] == "gguf"
-        assert body["choices"][0]["token_ids"] == want, parallel
+        check_served_answer(body, hf, ids, 12)
 
 
 async def test_preemption_and_speculative_decoding_keep_the_long_context_output(
