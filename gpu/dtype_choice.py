@@ -31,16 +31,28 @@ def cpu_has_bf16_matmul() -> bool:
     return bool(cpu_isa.cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AMX), else float32.
-    Parity with transformers' float32 ``generate`` holds in float32 only; pass it explicitly."""
+def pick_dtype(name: str, device: torch.device, gguf_in_place: bool = False) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA, on CPUs with bfloat16 matmul units (AMX, AVX512-BF16), and
+    for a GGUF model whose blocks are multiplied in place (``gguf_in_place``: our kernels take
+    either dtype at the same cost, and attention reads half the KV bytes, in half the memory);
+    else float32. Parity with transformers' float32 ``generate`` holds in float32 only; pass it
+    explicitly."""
     if name == "auto":
-        if device.type == "cuda" or cpu_has_bf16_matmul():
+        if device.type == "cuda" or cpu_has_bf16_matmul() or gguf_in_place:
             return torch.bfloat16
         return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def keeps_gguf_in_place(name: str | None, resolved: loader.ResolvedModel,
+                        device: torch.device) -> bool:
+    """Whether ``--quantization name`` (as the runner resolves it for its layout) keeps a GGUF
+    file's blocks on this device, whatever the dtype (float32 and bfloat16 both can): what
+    ``--dtype auto`` asks before the dtype is known."""
+    return (name in (None, "gguf") and resolved.gguf_file is not None
+            and gguf_linear.supported(device))
 
 
 def pick_quantization(name: str | None, resolved: loader.ResolvedModel,

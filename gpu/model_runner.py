@@ -27,7 +27,12 @@ from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
 from pagedserve.gpu.draft_model import DraftModel
-from pagedserve.gpu.dtype_choice import pick_dtype, pick_linear_plan, pick_quantization
+from pagedserve.gpu.dtype_choice import (
+    keeps_gguf_in_place,
+    pick_dtype,
+    pick_linear_plan,
+    pick_quantization,
+)
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
@@ -140,11 +145,15 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device here "
                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
-        self.dtype = pick_dtype(mc.dtype, self.device)
+        resolved = loader.resolve_model(mc.model)
+        # A float draft model runs torch's matmuls: those want float32 where bfloat16 is
+        # emulated, so only a draft-free GGUF in place turns --dtype auto to bfloat16.
+        in_place = self.draft is None and keeps_gguf_in_place(
+            self._quantization_flag(), resolved, self.device)
+        self.dtype = pick_dtype(mc.dtype, self.device, in_place)
         self.kv_dtype = kv_cache.cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.threads = ThreadGovernor.start() if self.device.type == "cpu" else None
         torch.manual_seed(mc.seed)
-        resolved = loader.resolve_model(mc.model)
         model_bytes = self._build_model(resolved)
         if self.draft is not None:  # loaded first: the KV budget pays for its cache too
             self.draft.load(resolved.path, self.hf_config.vocab_size, self.attn_backend,
@@ -161,6 +170,12 @@ class ModelRunner:
         log.info("attention_backend", name=self.attn_backend.name,
                  cuda_graphs=self.cuda_graphs is not None)
         return self._model_info(resolved, time.perf_counter() - start)
+
+    def _quantization_flag(self) -> str | None:
+        """``--quantization`` for this layout: across ranks the blocks are kept only when
+        asked for (unset: de-quantized, as before)."""
+        q = self.model_config.quantization
+        return q if self.parallel is None else q or "none"
 
     def _build_model(self, resolved: loader.ResolvedModel) -> int:
         """Config, attention backend and layer ops, then the model with its weights (quantized
@@ -181,11 +196,9 @@ class ModelRunner:
         kv_cache.check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype,
                                       self.attn_backend)
         ops = get_layer_ops(self.attn_backend.name, self.dtype)
-        # Across ranks the blocks are kept only when asked for (unset: de-quantized, as before).
         layout = None if self.parallel is None else self.parallel.layout
-        self.quantization = pick_quantization(
-            mc.quantization if layout is None else mc.quantization or "none", resolved,
-            self.device, self.dtype)
+        self.quantization = pick_quantization(self._quantization_flag(), resolved, self.device,
+                                              self.dtype)
         plan = pick_linear_plan(mc, self.dtype) if self.quantization == "gguf" else None
         # The file read in place by one process or a pipeline stage (no tensor split).
         if resolved.gguf_file is not None and (layout is None or layout.tp_size == 1):

@@ -127,6 +127,8 @@ def main() -> None:
                    help="also time a step prefilling --batch prompts of --context tokens")
     p.add_argument("--quantization", default="gguf,none",
                    help="comma list: gguf (the file's quantized blocks) and/or none")
+    p.add_argument("--cpu-linear-mode", default="auto", choices=("auto", "exact", "int8"),
+                   help="GGUF linears (auto with --dtype float32 is exact, as in the server)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: the server's default, see cpu_threads)")
     p.add_argument("--clock", choices=tuple(_CLOCKS), default="wall",
@@ -140,6 +142,7 @@ def main() -> None:
     for dtype, quant in itertools.product(args.dtype.split(","), args.quantization.split(",")):
         extra = {"model": args.model} if args.model else {}
         runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=2048, quantization=quant,
+                                         cpu_linear_mode=args.cpu_linear_mode,
                                          **extra),
                              CacheConfig(num_gpu_blocks_override=2400))
         runner.load()
