@@ -158,9 +158,11 @@ void attend(const float* q, const KvCache<C>& kc, const KvCache<C>& vc, const Pa
   }
 }
 
-// Below this many tokens per part a context is not split: the merge and the second task cost
-// more than the halved loop saves.
-constexpr int64_t kMinSplitTokens = 512;
+// Below this many K elements (tokens x kv heads x head size) per part a context is not split:
+// the merge and the second task cost more than the halved loop saves. 512 tokens of SmolLM2's
+// 3 x 64; a model with 32 kv heads (SmolLM2-1.7B) splits from 48 tokens, where one thread
+// alone reads its 2 MB of K/V per layer at half the machine's bandwidth.
+constexpr int64_t kMinSplitElems = 512 * 3 * 64;
 
 // Below this many (context token x head) pairs in a call the calling thread runs it alone:
 // about 10 us of work at 64-dim heads, less than a fork and join of the team costs.
@@ -246,7 +248,8 @@ void decode(const T* query, const KvCache<C>& key_cache, const KvCache<C>& value
   const int64_t threads = omp_get_max_threads();
   if (!query_start_loc && num_seqs < threads) {
     const int64_t longest = attended(*std::max_element(seq_lens, seq_lens + num_seqs));
-    splits = std::clamp<int64_t>(longest / kMinSplitTokens, 1, threads / num_seqs);
+    splits = std::clamp<int64_t>(longest * num_kv_heads * head_size / kMinSplitElems, 1,
+                                 threads / num_seqs);
   }
   Parts parts{splits, num_heads, head_size, {}, {}, {}};
   if (splits > 1) {

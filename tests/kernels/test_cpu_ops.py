@@ -54,12 +54,13 @@ def test_matches_reference(dtype, tol, heads, kv_heads, head_size, block_size):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 4, 8), (9, 3, 64)])
-@pytest.mark.parametrize("seq_lens", [[1500], [2100, 1030, 1]])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(4, 4, 8), (9, 3, 64), (32, 32, 64)])
+@pytest.mark.parametrize("seq_lens", [[1500], [2100, 1030, 1], [300, 97]])
 def test_long_contexts_of_few_sequences_split_and_merge(dtype, tol, heads, kv_heads, head_size,
                                                          seq_lens):
-    """Fewer sequences than threads: contexts of 1,024+ tokens are split across tasks and the
-    parts merged by their softmax maxima and sums (uneven and empty parts included)."""
+    """Fewer sequences than threads: contexts of 98k+ K elements (1,024+ tokens of SmolLM2's
+    3 x 64, 48+ of 32 x 64) are split across tasks and the parts merged by their softmax maxima
+    and sums (uneven and empty parts included)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(8)  # the kernel shares torch's OpenMP pool: 2+ parts each
     try:
