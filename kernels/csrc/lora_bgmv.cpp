@@ -14,10 +14,10 @@
 // "same adapter" batching), so a tile reads each row of A and Bt once for all its rows, and the
 // shrink runs kTileJ dot products at a time (independent FMA chains; x loaded once for them).
 // Each dot sums in the same order as a plain one (vector lanes, their sum, the tail), so the
-// tiling changes no result bit. Tiles x output blocks run under OpenMP when the layer's
-// products are big enough to pay for the fork: at a decode step's 8 rows the other thread is
-// already awake from the base layer's kernel, and a delta left to one thread would keep it idle
-// (thread_governor.py gives one thread when the machine is busy).
+// tiling changes no result bit. Tiles x output blocks run under OpenMP only for a prefill's
+// rows: at a decode step's (8 rows: ~0.1-0.3 M multiply-adds per layer) a second thread saved
+// nothing measurable with the pool awake, and cost ~60 us per layer where libgomp had put it to
+// sleep (more OpenMP threads than cores, as with two engines in one process).
 
 #include <omp.h>
 
@@ -37,8 +37,8 @@ constexpr int kTileRows = 4;
 #endif
 constexpr int kTileJ = 4;
 constexpr int64_t kOutBlock = 512;  // outputs of one expand work item
-// Multiply-adds below which one thread runs: forking costs ~1-2 us with the pool awake.
-constexpr int64_t kParallelMin = 1 << 16;
+// Multiply-adds below which one thread runs (see above).
+constexpr int64_t kParallelMin = 1 << 20;
 
 struct Tile {
   int32_t slot, n;

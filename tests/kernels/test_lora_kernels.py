@@ -102,8 +102,9 @@ def test_cpu_kernel_tiles_of_every_size(isa, rank, parts):
 def test_cpu_kernel_threads_change_no_bit(isa, dtype):
     """A step big enough to run under OpenMP: each output is summed by one thread in the same
     order, so four threads give one thread's result exactly, and both equal the reference."""
-    slot_of_row = [(i * 7) % 4 - 1 for i in range(48)]  # slots 0-2 and base rows, interleaved
-    (y, x, a), b, slots = _case(dtype, slot_of_row=slot_of_row, fan_in=300, rank=16,
+    slot_of_row = [(i * 7) % 4 - 1 for i in range(64)]  # slots 0-2 and base rows, interleaved
+    # 48 rows x (48 x 600 + 16 x 384) = 1.7 M multiply-adds: past the kernel's kParallelMin.
+    (y, x, a), b, slots = _case(dtype, slot_of_row=slot_of_row, fan_in=600, rank=16,
                                 parts=(256, 64, 64))
     threads = torch.get_num_threads()
     try:
