@@ -86,7 +86,11 @@ class LoRALinear(nn.Module):
             self.lora_bt[slot].copy_(self.lora_b_cat[slot].T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self.add_delta(self.base(x), x)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` ``[T, out]`` (the base layer's output for ``x`` ``[T, in]``) plus each row's
+        adapter delta for this step, in place; ``y`` as it is when no row has an adapter."""
         step = self.holder.step
         if step is None:
             return y
