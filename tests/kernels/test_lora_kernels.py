@@ -84,10 +84,11 @@ def test_one_call_over_parts_sliced_from_one_tensor(kernel, isa):
 
 
 @pytest.mark.parametrize("isa", cpu_isa.supported())
-@pytest.mark.parametrize("rank, parts", [(1, (40, 24, 8)), (8, (17,)), (16, (33, 31))])
+@pytest.mark.parametrize("rank, parts", [(1, (40, 24, 8)), (2, (40, 24, 8)), (7, (17,)),
+                                         (8, (17,)), (16, (33, 31))])
 def test_cpu_kernel_tiles_of_every_size(isa, rank, parts):
-    """Tiles of 1, 2 and 4+1 rows of a slot; a rank of 1 (3 outputs of the shrink's blocks of 4
-    filled); parts ending inside a vector."""
+    """Tiles of 1, 2 and 4+1 rows of a slot; shrinks of 3, 6, 7, 8 and 32 dots (the kernel
+    runs 4 or 8 at a time); parts ending inside a vector."""
     (y, x, a), b, slots = _case(torch.float32, slot_of_row=TILES, fan_in=37, rank=rank,
                                 parts=parts)
     want = punica.bgmv_add(y.clone(), x, a, b, slots)
