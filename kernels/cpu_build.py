@@ -91,9 +91,7 @@ def bind(lib: ctypes.CDLL) -> None:
         "rotary": [ptr] * 4 + [i64] * 5,  # + rotary_dim
         "reshape_and_cache": [ptr] * 5 + [i64] * 6,  # + head_size, kv_kind
         "gguf_linear": [ptr] * 3 + [i64] * 5,
-        "lora_shrink": [ptr] * 4 + [i64] * 3,
-        "lora_expand": [ptr] * 4 + [i64] * 7,
-        "lora_bgmv": [ptr] * 5 + [i64] * 8,
+        "lora_bgmv": [ptr] * 6 + [i64] * 7,  # + bounds, parts
     }
     for name, args in signatures.items():
         for suffix in ("f32", "bf16"):

@@ -62,9 +62,13 @@ class LoRALinear(nn.Module):
                                       device=device)
         self.lora_b = list(self.lora_b_cat.split(parts, dim=1))
         self.lora_bt: torch.Tensor | None = None  # [L, R, sum(parts)]: the C++ kernel's
+        self._cpu = None  # the C++ kernel bound to this layer's slots, picked once
         if holder.kernel == "cpu":
+            from pagedserve.kernels import lora_ops
+
             self.lora_bt = torch.zeros(max_loras, max_rank, sum(parts), dtype=dtype,
                                        device=device)
+            self._cpu = lora_ops.CpuBGMV(self.lora_a, self.lora_bt, parts)
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's ``(A [r, in], B [out_p, r])`` per part (``None``: not adapted)
@@ -82,10 +86,16 @@ class LoRALinear(nn.Module):
             self.lora_bt[slot].copy_(self.lora_b_cat[slot].T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self.add_delta(self.base(x), x)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` ``[T, out]`` (the base layer's output for ``x`` ``[T, in]``) plus each row's
+        adapter delta for this step, in place; ``y`` as it is when no row has an adapter."""
         step = self.holder.step
         if step is None:
             return y
+        if self._cpu is not None:
+            return self._cpu(y, x, step.token_slots)
         if self.holder.kernel == "torch":
             return punica.sgmv_add(y, x, self.lora_a, self.lora_b, step.groups)
         from pagedserve.kernels import lora_ops

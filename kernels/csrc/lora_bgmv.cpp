@@ -1,15 +1,27 @@
 // Batched LoRA deltas for mixed batches, Punica's BGMV (Chen et al., "Punica", 2023; vLLM's
 // csrc/punica and vllm/lora/ops): each token row gathers its own adapter's A and B by slot.
 //
-//   shrink  h[t, j]              = x[t, :] . A[slot[t], j, :]          j < PR (parts x rank)
-//   expand  y[t, y_off + o]     += h[t, h_off : h_off + R] . B[slot[t], o, :]
+//   shrink  h[t, j]  = x[t, :] . A[slot[t], j, :]                 j < PR (parts x rank)
+//   expand  y[t, o] += h[t, p R : p R + R] . Bt[slot[t], :, o]    o in part p's outputs
 //
-// slot -1: no adapter (h row zero, y untouched). x, A, B, y in T (float32 or bfloat16),
-// h float32; every product sums in float32 (vector lanes of simd.h, then a scalar tail).
-// OpenMP over rows x outputs once a step is large enough to pay for waking the threads.
+// One call per linear layer, for all its parts (q/k/v, gate/up, or one): Bt is the parts' B
+// concatenated and transposed per slot, [L, R, out], so the expand runs along o with full
+// vectors. slot -1: no adapter (y untouched). x, A, Bt, y in T (float32 or bfloat16), h
+// float32; every product sums in float32 (vector lanes of simd.h, then a scalar tail), and y
+// is rounded once.
+//
+// Rows are cut into tiles of up to kTileRows rows sharing a slot (SGMV's segments, Punica's
+// "same adapter" batching), so a tile reads each row of A and Bt once for all its rows, and the
+// shrink runs 4 to 8 dot products at a time (independent FMA chains; x loaded once for them).
+// Each dot sums in the same order as a plain one (vector lanes, their sum, the tail), so the
+// tiling changes no result bit. Tiles x output blocks run under OpenMP only for a prefill's
+// rows: at a decode step's (8 rows: ~0.1-0.3 M multiply-adds per layer) a second thread saved
+// nothing measurable with the pool awake, and cost ~60 us per layer where libgomp had put it to
+// sleep (more OpenMP threads than cores, as with two engines in one process).
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -18,91 +30,194 @@
 
 namespace {
 
-// Multiply-adds below which one thread runs: a decode step's (8 rows: ~0.1-0.3 M) costs
-// less than waking OpenMP's threads, on a loaded machine by far.
+// A shrink pass holds rows x dots vector accumulators: 4 x 4 at most, or 2 x 8 (a decode
+// step's tiles: 8 rows over 4 adapters) where 32 registers leave room; 8 rows of A streamed
+// at once gave ~10% over 4 on a step whose adapters come from memory.
+#if PAGEDSERVE_SIMD
+constexpr int kTileRows = Vec::kRegs >= 32 ? 4 : 2;
+constexpr int kWideRows = Vec::kRegs >= 32 ? 2 : 0;  // tiles of at most this many: 8 dots
+#else
+constexpr int kTileRows = 4;
+constexpr int kWideRows = 0;
+#endif
+constexpr int kTileJ = 8;  // a shrink work item's dots
+constexpr int64_t kOutBlock = 512;  // outputs of one expand work item
+// Multiply-adds below which one thread runs (see above).
 constexpr int64_t kParallelMin = 1 << 20;
 
-// a . b over n elements in float32; each side float, bfloat16 or the activations' type.
-template <typename A, typename B>
-inline float dot(const A* a, const B* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0.f;
-#if PAGEDSERVE_SIMD
-  Vec::F acc = Vec::zero();
-  for (; i + Vec::W <= n; i += Vec::W) acc = Vec::fmadd(Vec::load(a + i), Vec::load(b + i), acc);
-  sum = Vec::reduce_add(acc);
-#endif
-  for (; i < n; ++i) sum += load(a[i]) * load(b[i]);
-  return sum;
-}
+struct Tile {
+  int32_t slot, n;
+  int32_t rows[kTileRows];
+};
 
-template <typename T>
-void shrink(float* h, const T* x, const T* a, const int32_t* slots, int64_t rows, int64_t pr,
-            int64_t in) {
-  const bool par = rows * pr * in >= kParallelMin;
-#pragma omp parallel for collapse(2) schedule(static) if (par)
+// The rows with an adapter, slot by slot in order of first appearance, kTileRows at a time.
+std::vector<Tile> tiles_of(const int32_t* slots, int64_t rows) {
+  std::vector<Tile> tiles;
+  std::vector<char> done(rows, 0);
   for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t j = 0; j < pr; ++j) {
-      const int32_t s = slots[t];
-      h[t * pr + j] = s < 0 ? 0.f : dot(x + t * in, a + (int64_t(s) * pr + j) * in, in);
-    }
-  }
-}
-
-template <typename T>
-void expand(T* y, const float* h, const T* b, const int32_t* slots, int64_t rows, int64_t out,
-            int64_t rank, int64_t h_stride, int64_t h_off, int64_t y_stride, int64_t y_off) {
-  const bool par = rows * out * rank >= kParallelMin;
-#pragma omp parallel for collapse(2) schedule(static) if (par)
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t o = 0; o < out; ++o) {
-      const int32_t s = slots[t];
-      if (s < 0) continue;
-      T* dst = y + t * y_stride + y_off + o;
-      const float d = dot(h + t * h_stride + h_off, b + (int64_t(s) * out + o) * rank, rank);
-      store(load(*dst) + d, dst);
-    }
-  }
-}
-
-// shrink then expand for every part at once, from B transposed per slot, bt [L, R, out]:
-// y[t, o] += sum_r h[t, part(o) R + r] bt[s, r, o], part(o) = how many of the boundaries
-// b1 <= b2 lie at or below o (at most 3 parts: q/k/v, gate/up, or one). The expand runs
-// along o (contiguous in bt: full vectors, where R = 8..16 would leave a B row's dot all
-// scalar tail), into a float32 row rounded once. One call per linear layer: the Python
-// overhead of a call per part was most of a decode step's LoRA cost.
-template <typename T>
-void bgmv(T* y, const T* x, const T* a, const T* bt, const int32_t* slots, int64_t rows,
-          int64_t in, int64_t pr, int64_t out, int64_t rank, int64_t y_stride, int64_t b1,
-          int64_t b2) {
-  std::vector<float> h(rows * pr);
-  shrink(h.data(), x, a, slots, rows, pr, in);
-  const int64_t bounds[4] = {0, b1, b2, out};
-  const bool par = rows * out * rank >= kParallelMin;
-#pragma omp parallel for schedule(static) if (par)
-  for (int64_t t = 0; t < rows; ++t) {
-    const int32_t s = slots[t];
-    if (s < 0) continue;
-    std::vector<float> acc(out);
-    T* yrow = y + t * y_stride;
-    widen(yrow, acc.data(), out);
-    for (int p = 0; p < 3; ++p) {
-      const int64_t lo = bounds[p], n = bounds[p + 1] - lo;
-      if (n <= 0) continue;
-      for (int64_t r = 0; r < rank; ++r) {
-        const float hv = h[t * pr + p * rank + r];
-        const T* brow = bt + (int64_t(s) * rank + r) * out + lo;
-        float* dst = acc.data() + lo;
-        int64_t i = 0;
-#if PAGEDSERVE_SIMD
-        const Vec::F hvv = Vec::set1(hv);
-        for (; i + Vec::W <= n; i += Vec::W)
-          Vec::store(Vec::fmadd(hvv, Vec::load(brow + i), Vec::load(dst + i)), dst + i);
-#endif
-        for (; i < n; ++i) dst[i] += hv * load(brow[i]);
+    if (slots[t] < 0 || done[t]) continue;
+    Tile cur{slots[t], 0, {}};
+    for (int64_t u = t; u < rows; ++u) {
+      if (slots[u] != cur.slot) continue;
+      done[u] = 1;
+      cur.rows[cur.n++] = static_cast<int32_t>(u);
+      if (cur.n == kTileRows) {
+        tiles.push_back(cur);
+        cur.n = 0;
       }
     }
-    for (int64_t o = 0; o < out; ++o) store(acc[o], yrow + o);
+    if (cur.n > 0) tiles.push_back(cur);
+  }
+  return tiles;
+}
+
+// h[row, j0 + k] for the tile's RB rows and JB outputs from j0.
+template <int RB, int JB, typename T>
+void shrink_tile(float* h, int64_t pr, const T* x, int64_t in, const Tile& tile, const T* a,
+                 int64_t j0) {
+  const T* xr[RB];
+  const T* aj[JB];
+  for (int i = 0; i < RB; ++i) xr[i] = x + int64_t(tile.rows[i]) * in;
+  for (int k = 0; k < JB; ++k) aj[k] = a + (int64_t(tile.slot) * pr + j0 + k) * in;
+  float sum[RB][JB] = {};
+  int64_t e = 0;
+#if PAGEDSERVE_SIMD
+  Vec::F acc[RB][JB];
+  for (int i = 0; i < RB; ++i)
+    for (int k = 0; k < JB; ++k) acc[i][k] = Vec::zero();
+  for (; e + Vec::W <= in; e += Vec::W) {
+    Vec::F xv[RB];
+    for (int i = 0; i < RB; ++i) xv[i] = Vec::load(xr[i] + e);
+    for (int k = 0; k < JB; ++k) {
+      const Vec::F av = Vec::load(aj[k] + e);
+      for (int i = 0; i < RB; ++i) acc[i][k] = Vec::fmadd(xv[i], av, acc[i][k]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int k = 0; k < JB; ++k) sum[i][k] = Vec::reduce_add(acc[i][k]);
+#endif
+  for (; e < in; ++e)
+    for (int i = 0; i < RB; ++i)
+      for (int k = 0; k < JB; ++k) sum[i][k] += load(xr[i][e]) * load(aj[k][e]);
+  for (int i = 0; i < RB; ++i)
+    for (int k = 0; k < JB; ++k) h[int64_t(tile.rows[i]) * pr + j0 + k] = sum[i][k];
+}
+
+template <int RB, typename T>
+void shrink_rows(float* h, int64_t pr, const T* x, int64_t in, const Tile& tile, const T* a,
+                 int64_t j0) {
+  const int64_t j1 = std::min<int64_t>(pr, j0 + kTileJ);
+  if constexpr (RB <= kWideRows) {
+    switch (j1 - j0) {
+      case 8: return shrink_tile<RB, 8>(h, pr, x, in, tile, a, j0);
+      case 7: return shrink_tile<RB, 7>(h, pr, x, in, tile, a, j0);
+      case 6: return shrink_tile<RB, 6>(h, pr, x, in, tile, a, j0);
+      case 5: return shrink_tile<RB, 5>(h, pr, x, in, tile, a, j0);
+      default: break;
+    }
+  }
+  for (int64_t j = j0; j < j1; j += 4) {
+    switch (std::min<int64_t>(j1 - j, 4)) {
+      case 4: shrink_tile<RB, 4>(h, pr, x, in, tile, a, j); break;
+      case 3: shrink_tile<RB, 3>(h, pr, x, in, tile, a, j); break;
+      case 2: shrink_tile<RB, 2>(h, pr, x, in, tile, a, j); break;
+      default: shrink_tile<RB, 1>(h, pr, x, in, tile, a, j); break;
+    }
+  }
+}
+
+template <typename T>
+void shrink_item(float* h, int64_t pr, const T* x, int64_t in, const Tile& tile, const T* a,
+                 int64_t j0) {
+  switch (tile.n) {
+    case 1: return shrink_rows<1>(h, pr, x, in, tile, a, j0);
+    case 2: return shrink_rows<2>(h, pr, x, in, tile, a, j0);
+    case 3: return shrink_rows<3>(h, pr, x, in, tile, a, j0);
+    default: return shrink_rows<kTileRows>(h, pr, x, in, tile, a, j0);
+  }
+}
+
+// y[row, o] += h[row, h_off : h_off + rank] . bt[slot, :, o] for o in [o0, o1), the tile's rows:
+// y first, then each rank's product in order, rounded once.
+template <int RB, typename T>
+void expand_tile(T* y, int64_t y_stride, const float* h, int64_t pr, const T* bt, int64_t out,
+                 int64_t rank, const Tile& tile, int64_t h_off, int64_t o0, int64_t o1) {
+  T* yr[RB];
+  const float* hr[RB];
+  for (int i = 0; i < RB; ++i) {
+    yr[i] = y + int64_t(tile.rows[i]) * y_stride;
+    hr[i] = h + int64_t(tile.rows[i]) * pr + h_off;
+  }
+  const T* b = bt + int64_t(tile.slot) * rank * out;
+  int64_t o = o0;
+#if PAGEDSERVE_SIMD
+  for (; o + Vec::W <= o1; o += Vec::W) {
+    Vec::F acc[RB];
+    for (int i = 0; i < RB; ++i) acc[i] = Vec::load(yr[i] + o);
+    for (int64_t r = 0; r < rank; ++r) {
+      const Vec::F bv = Vec::load(b + r * out + o);
+      for (int i = 0; i < RB; ++i) acc[i] = Vec::fmadd(Vec::set1(hr[i][r]), bv, acc[i]);
+    }
+    for (int i = 0; i < RB; ++i) Vec::store(acc[i], yr[i] + o);
+  }
+#endif
+  for (; o < o1; ++o) {
+    for (int i = 0; i < RB; ++i) {
+      float acc = load(yr[i][o]);
+      for (int64_t r = 0; r < rank; ++r) acc += hr[i][r] * load(b[r * out + o]);
+      store(acc, yr[i] + o);
+    }
+  }
+}
+
+template <typename T>
+void expand_item(T* y, int64_t y_stride, const float* h, int64_t pr, const T* bt, int64_t out,
+                 int64_t rank, const Tile& tile, int64_t h_off, int64_t o0, int64_t o1) {
+  switch (tile.n) {
+    case 1: return expand_tile<1>(y, y_stride, h, pr, bt, out, rank, tile, h_off, o0, o1);
+    case 2: return expand_tile<2>(y, y_stride, h, pr, bt, out, rank, tile, h_off, o0, o1);
+    case 3: return expand_tile<3>(y, y_stride, h, pr, bt, out, rank, tile, h_off, o0, o1);
+    default:
+      return expand_tile<kTileRows>(y, y_stride, h, pr, bt, out, rank, tile, h_off, o0, o1);
+  }
+}
+
+struct Block {
+  int64_t part, o0, o1;
+};
+
+// Output blocks of at most kOutBlock, none across a part's end (bounds: parts + 1 offsets).
+std::vector<Block> blocks_of(const int64_t* bounds, int64_t parts) {
+  std::vector<Block> blocks;
+  for (int64_t p = 0; p < parts; ++p)
+    for (int64_t o = bounds[p]; o < bounds[p + 1]; o += kOutBlock)
+      blocks.push_back({p, o, std::min(o + kOutBlock, bounds[p + 1])});
+  return blocks;
+}
+
+template <typename T>
+void bgmv(T* y, const T* x, const T* a, const T* bt, const int32_t* slots,
+          const int64_t* bounds, int64_t parts, int64_t rows, int64_t in, int64_t pr,
+          int64_t out, int64_t rank, int64_t y_stride) {
+  const std::vector<Tile> tiles = tiles_of(slots, rows);
+  if (tiles.empty()) return;
+  const std::vector<Block> blocks = blocks_of(bounds, parts);
+  std::vector<float> h(rows * pr);
+  const int64_t nt = tiles.size(), nj = (pr + kTileJ - 1) / kTileJ, nb = blocks.size();
+  int64_t active = 0;
+  for (const Tile& tile : tiles) active += tile.n;
+  const bool par = active * (pr * in + rank * out) >= kParallelMin;
+#pragma omp parallel if (par)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < nt * nj; ++item)
+      shrink_item(h.data(), pr, x, in, tiles[item / nj], a, (item % nj) * kTileJ);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < nt * nb; ++item) {
+      const Block& blk = blocks[item % nb];
+      expand_item(y, y_stride, h.data(), pr, bt, out, rank, tiles[item / nb],
+                  blk.part * rank, blk.o0, blk.o1);
+    }
   }
 }
 
@@ -111,19 +226,10 @@ void bgmv(T* y, const T* x, const T* a, const T* bt, const int32_t* slots, int64
 extern "C" {
 
 #define PAGEDSERVE_LORA(SUFFIX, T)                                                             \
-  void lora_shrink_##SUFFIX(float* h, const T* x, const T* a, const int32_t* slots,            \
-                            int64_t rows, int64_t pr, int64_t in) {                            \
-    shrink(h, x, a, slots, rows, pr, in);                                                      \
-  }                                                                                            \
-  void lora_expand_##SUFFIX(T* y, const float* h, const T* b, const int32_t* slots,            \
-                            int64_t rows, int64_t out, int64_t rank, int64_t h_stride,         \
-                            int64_t h_off, int64_t y_stride, int64_t y_off) {                  \
-    expand(y, h, b, slots, rows, out, rank, h_stride, h_off, y_stride, y_off);                 \
-  }                                                                                            \
   void lora_bgmv_##SUFFIX(T* y, const T* x, const T* a, const T* bt, const int32_t* slots,      \
-                          int64_t rows, int64_t in, int64_t pr, int64_t out, int64_t rank,     \
-                          int64_t y_stride, int64_t b1, int64_t b2) {                          \
-    bgmv(y, x, a, bt, slots, rows, in, pr, out, rank, y_stride, b1, b2);                        \
+                          const int64_t* bounds, int64_t parts, int64_t rows, int64_t in,      \
+                          int64_t pr, int64_t out, int64_t rank, int64_t y_stride) {           \
+    bgmv(y, x, a, bt, slots, bounds, parts, rows, in, pr, out, rank, y_stride);                \
   }
 
 PAGEDSERVE_LORA(f32, float)
