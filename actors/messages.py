@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.actors.beam_search import BeamSearch
-from pagedserve.actors.request import Request
+from pagedserve.actors.beam.search import BeamSearch
+from pagedserve.actors.core.request import Request
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class AddRequest:
     """Request task → scheduler: queue a new request. ``accepted`` resolves once it is queued,
     or fails with ``EngineOverloaded`` / ``DuplicateRequestId``. With ``beam_search``, the
-    request is the root of a beam search (``actors/beam_group.py``)."""
+    request is the root of a beam search (``actors/beam/group.py``)."""
 
     request: Request
     accepted: asyncio.Future[None] | None = None

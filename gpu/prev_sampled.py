@@ -1,6 +1,6 @@
 """The token each request sampled last on this runner, for the steps the scheduler built ahead.
 
-Under ``--async-scheduling`` (``actors/inflight.py``) the scheduler sends step k+1 before it
+Under ``--async-scheduling`` (``actors/core/inflight.py``) the scheduler sends step k+1 before it
 has step k's tokens: a decode of step k+1 carries ``PREV_SAMPLED`` as its input token, and
 the runner, which ran step k just before on the same thread, puts in the token it sampled then.
 vLLM V1's ``gpu_model_runner`` keeps the previous step's sampled ids on the device for the same

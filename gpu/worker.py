@@ -2,7 +2,7 @@
 weights and of the KV cache and runs the ordinary ``ModelRunner`` on it (vLLM's
 ``vllm/v1/executor/multiproc_executor.py`` ``WorkerProc``; read to learn only).
 
-The executor (``actors/multiproc_executor.py``) talks to each worker over one pipe:
+The executor (``actors/executor/multiproc.py``) talks to each worker over one pipe:
 
 - ``("load",)`` → every worker loads; each answers ``("ok", (ModelInfo, its layout))``;
 - ``("step", SchedulerOutput)`` → every worker runs the step; only the rank that samples (the

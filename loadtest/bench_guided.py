@@ -22,7 +22,7 @@ import time
 import torch
 import xgrammar as xgr
 
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams

@@ -17,8 +17,8 @@ import time
 
 import httpx
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.server.launch import running_server
 from pagedserve.server.serving import ServingConfig

@@ -5,7 +5,7 @@ Every figure comes from the scheduler actor by message (``AsyncEngine.get_stats`
 from the engine's stat loggers; nothing here reads actor state directly. The typed stats become
 JSON in ``server/stats_json.py``, on their way out.
 
-With data parallelism (``actors/dp_engine.py``) the stats are the group's totals with an
+With data parallelism (``actors/dp/engine.py``) the stats are the group's totals with an
 ``engines`` list (each engine's own figures and the router's view of it) and ``/metrics``
 labels each series ``engine="k"``.
 
@@ -30,7 +30,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.stats import EngineStats
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.metrics import CONTENT_TYPE, PrometheusStatLogger

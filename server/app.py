@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.server.admin import admin_routes
 from pagedserve.server.anthropic.serving import MessagesServing
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES

@@ -17,10 +17,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from pagedserve.actors.beam_group import BeamSearchOutput, BeamSearchStream
-from pagedserve.actors.beam_search import BeamSearchParams
+from pagedserve.actors.beam.group import BeamSearchOutput, BeamSearchStream
+from pagedserve.actors.beam.search import BeamSearchParams
+from pagedserve.actors.engine.request_stream import RequestStream, close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.request_stream import RequestStream, close_all
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.errors import OpenAIError

@@ -33,7 +33,7 @@ from typing import NoReturn
 
 import structlog
 
-from pagedserve.actors.dp_config import DataParallelConfig
+from pagedserve.actors.dp.config import DataParallelConfig
 from pagedserve.gpu.config import CPU_KV_CACHE_ENV, EMBEDDED_SERVED_NAME
 from pagedserve.server import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig, default_served_names
@@ -175,7 +175,7 @@ def warn_cpu_ignores_gpu_memory_utilization(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
-    from pagedserve.actors.dp_launch import run_headless, start_engine
+    from pagedserve.actors.dp.launch import run_headless, start_engine
     from pagedserve.actors.errors import EngineDeadError
     from pagedserve.server.app import build_app
     from pagedserve.server.launch import hypercorn_config

@@ -17,7 +17,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from hypercorn.protocol.h11 import H11Protocol
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.server.app import build_app
 from pagedserve.server.errors import error_body
 from pagedserve.server.serving import ServingConfig

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from pagedserve.actors.engine.pooling import PoolingOutput
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.pooling import PoolingOutput
 from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.errors import OpenAIError

@@ -123,7 +123,7 @@ class _SamplingBody(StructuredOutputFields, _Body):
     # Beam search (vLLM's fields; n is the width; server/beam_search.py).
     use_beam_search: LaxBool = False
     # Finite and within ±10 (vLLM takes any float): past that, length ** penalty leaves
-    # float32 for a few thousand tokens and only the length ranks (actors/beam_search.py).
+    # float32 for a few thousand tokens and only the length ranks (actors/beam/search.py).
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False
 

@@ -14,8 +14,8 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream, close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.request_stream import GenerationDelta, RequestStream, close_all
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import LogprobsFormatter

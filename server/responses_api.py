@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.request_stream import RequestStream
+from pagedserve.actors.engine.request_stream import RequestStream
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses import (

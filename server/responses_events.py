@@ -32,8 +32,8 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.request_stream import GenerationDelta, RequestStream
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.responses_protocol import FunctionTool, NamedFunctionChoice, ResponsesRequest
 from pagedserve.server.responses_tools import call_items, function_call_item

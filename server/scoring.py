@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pagedserve.actors.pooling import PoolingOutput
+from pagedserve.actors.engine.pooling import PoolingOutput
 from pagedserve.gpu.pooling_params import PoolingParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.pooling_protocol import RerankRequest, ScoreRequest

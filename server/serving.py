@@ -20,9 +20,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.request_stream import RequestStream, close_all
-from pagedserve.actors.structured_output import CompiledConstraint, GrammarError
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.request_stream import RequestStream, close_all
+from pagedserve.actors.structured_output.manager import CompiledConstraint, GrammarError
 from pagedserve.gpu import loader
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.admission import ADMISSION_ERRORS, admission_error, check_priority

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from pagedserve.actors.dp_stats import DataParallelStats, EngineRouting
+from pagedserve.actors.dp.stats import DataParallelStats, EngineRouting
 from pagedserve.actors.stats import (
     EngineStats,
     KVCacheStats,

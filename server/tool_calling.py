@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors.structured_output import GrammarError
+from pagedserve.actors.structured_output.manager import GrammarError
 from pagedserve.gpu.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.tool_parser_choice import AutoToolChoice

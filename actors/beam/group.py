@@ -4,7 +4,7 @@ The PagedAttention paper's showcase (Kwon et al., 2023, section 4.4), on vLLM V1
 scheduling: a beam search starts as one request (the root). Each round every live beam
 samples once, in an ordinary step, with its top logprobs; the beam that sampled parks
 (``WAITING_FOR_BEAMS``) until its siblings have too (they may be in another step: a chunked
-recompute after preemption). Then ``BeamSearch.step`` (``actors/beam_search.py``) picks the next
+recompute after preemption). Then ``BeamSearch.step`` (``actors/beam/search.py``) picks the next
 ``beam_width`` beams, and here:
 
 - a parent with one child goes on as that child (its request appends the token);
@@ -35,13 +35,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.beam_search import Beam, BeamHypothesis, BeamSearch
+from pagedserve.actors.beam.search import Beam, BeamHypothesis, BeamSearch
+from pagedserve.actors.core.request import Request, RequestOutput, RequestStatus
+from pagedserve.actors.core.request_queue import (
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    RunningRequests,
+)
+from pagedserve.actors.engine.request_stream import RequestMetrics
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import AbortRequest
-from pagedserve.actors.request import Request, RequestOutput, RequestStatus
-from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue, RunningRequests
-from pagedserve.actors.request_stream import RequestMetrics
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampler import TokenLogprobs
 

@@ -17,7 +17,7 @@ vectorized ``_beam_search``), so that our output equals it on the same weights:
 
 Scores are float32 as in transformers (a sum of two float32 values rounded to float32), so ties
 and near-ties break the same way. Pure Python: the scheduler side (forking beams, sharing their
-KV blocks) is ``actors/beam_group.py``. vLLM runs beam search in its serving layer
+KV blocks) is ``actors/beam/group.py``. vLLM runs beam search in its serving layer
 (``vllm/beam_search.py``, ``EngineClient.beam_search``) with its own length rule; we follow
 transformers, the oracle.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.actors.spec_config import SpeculativeConfig, parse_speculative_config
+from pagedserve.actors.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ decoding (drafts need the last token) and beam search in flight are not combined
 the loop synchronous while it runs. Off by default, for both uses: on the shared development
 machine neither was faster (``loadtest/RESULTS.md``).
 
-The planner (``actors/step_planner.py``) plans around the requests in flight: it sees the
+The planner (``actors/core/step_planner.py``) plans around the requests in flight: it sees the
 running list without them, so it never preempts one (the executor still writes its blocks),
 and with their seats and tokens taken off its limits.
 """
@@ -42,12 +42,12 @@ from typing import Any
 import structlog
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import Request, RequestStatus
+from pagedserve.actors.core.request_queue import RunningRequests
+from pagedserve.actors.core.step_planner import StepPlanner
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import ExecuteModel
-from pagedserve.actors.request import Request, RequestStatus
-from pagedserve.actors.request_queue import RunningRequests
-from pagedserve.actors.step_planner import StepPlanner
 from pagedserve.gpu.batch import PREV_SAMPLED, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)

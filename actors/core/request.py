@@ -15,8 +15,8 @@ from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.actors.beam_group import BeamGroup
-    from pagedserve.actors.structured_output import StructuredOutputRequest
+    from pagedserve.actors.beam.group import BeamGroup
+    from pagedserve.actors.structured_output.manager import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):

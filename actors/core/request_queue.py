@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pagedserve.actors.request import Request
+from pagedserve.actors.core.request import Request
 
 POLICIES = ("fcfs", "priority")
 

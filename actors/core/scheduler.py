@@ -5,14 +5,14 @@ Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its co
 1. drain the mailbox (new requests, aborts, stats queries);
 2. ``schedule()``: the batch ``StepPlanner`` decides under ``max_num_batched_tokens`` and
    ``max_num_seqs`` (running requests first, then admissions; preemption by recompute when
-   the blocks run out: ``actors/step_planner.py``);
+   the blocks run out: ``actors/core/step_planner.py``);
 3. send the batch to the executor actor and await its reply; with batches in flight
-   (``--async-scheduling``, pipeline parallelism: ``actors/inflight.py``), build the next
+   (``--async-scheduling``, pipeline parallelism: ``actors/core/inflight.py``), build the next
    one first;
 4. ``update_from_output()``: advance ``num_computed_tokens`` (with n-gram drafts, by the
-   accepted ones plus one: ``actors/spec_decode.py``), append sampled tokens, finish requests,
+   accepted ones plus one: ``actors/spec_decode/proposer.py``), append sampled tokens, finish requests,
    free their blocks and push each request's new tokens to its queue. A beam of a beam search
-   goes to ``BeamScheduler`` instead (``actors/beam_group.py``), which forks and retires beams.
+   goes to ``BeamScheduler`` instead (``actors/beam/group.py``), which forks and retires beams.
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ from typing import Any
 import structlog
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.beam_group import BeamScheduler
-from pagedserve.actors.beam_search import BeamSearch
-from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.beam.group import BeamScheduler
+from pagedserve.actors.beam.search import BeamSearch
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.inflight import InFlight, in_flight_depth
+from pagedserve.actors.core.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
+from pagedserve.actors.core.request_queue import RunningRequests, make_request_queue
+from pagedserve.actors.core.scheduler_stats import record_step, snapshot
+from pagedserve.actors.core.step_planner import StepPlanner
 from pagedserve.actors.errors import DuplicateRequestId, EngineDeadError, EngineOverloaded
-from pagedserve.actors.inflight import InFlight, in_flight_depth
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.kv_event_publisher import KVEventPublisher
-from pagedserve.actors.kv_transfer import KVTransfer
+from pagedserve.actors.kv.event_publisher import KVEventPublisher
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv.transfer import KVTransfer
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
@@ -41,13 +45,9 @@ from pagedserve.actors.messages import (
     NotifyWhenIdle,
     ResetPrefixCache,
 )
-from pagedserve.actors.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
-from pagedserve.actors.request_queue import RunningRequests, make_request_queue
-from pagedserve.actors.scheduler_stats import record_step, snapshot
-from pagedserve.actors.spec_decode import num_accepted
+from pagedserve.actors.spec_decode.proposer import num_accepted
 from pagedserve.actors.stats import SpecDecodeStats, StatLogger, StepHistory
-from pagedserve.actors.step_planner import StepPlanner
-from pagedserve.actors.structured_output import advance, grammar_bitmask
+from pagedserve.actors.structured_output.manager import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.kv_connector.base import KVConnectorScheduler
 
@@ -88,7 +88,7 @@ class Scheduler(Actor):
         self.inflight = InFlight(config, kv_cache_manager, self.planner, self.requests, executor,
                                  *in_flight_depth(config, executor), max_model_len,
                                  lambda: bool(self.beams.groups))
-        self.transfer = None if kv_connector is None else KVTransfer(  # actors/kv_transfer.py
+        self.transfer = None if kv_connector is None else KVTransfer(  # actors/kv/transfer.py
             kv_connector, kv_cache_manager, self.waiting, self.requests, self._execute,
             self._finish)
         self.planner.transfer = self.transfer
@@ -425,7 +425,7 @@ class Scheduler(Actor):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    # -- stats (actors/scheduler_stats.py: the step record and the GetStats reply) ----------
+    # -- stats (actors/core/scheduler_stats.py: the step record and the GetStats reply) ----------
 
     _record_step = record_step
     stats = snapshot

@@ -1,6 +1,6 @@
 """The scheduler's stats: each step's record for the stat loggers, and the ``GetStats`` reply.
 
-Apart from ``actors/scheduler.py`` so the loop reads in one file; both functions are the
+Apart from ``actors/core/scheduler.py`` so the loop reads in one file; both functions are the
 scheduler's methods (``Scheduler._record_step``, ``Scheduler.stats``) and run in its task.
 """
 
@@ -20,7 +20,7 @@ from pagedserve.actors.stats import (
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pagedserve.actors.scheduler import Scheduler
+    from pagedserve.actors.core.scheduler import Scheduler
 
 
 def record_step(self: Scheduler, so: SchedulerOutput, out: ModelRunnerOutput, start: float) -> None:

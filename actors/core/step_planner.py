@@ -6,7 +6,7 @@ under one token budget (``max_num_batched_tokens``) and a cap on running request
 (``max_num_seqs``). A step is two passes:
 
 1. **Running requests**, in order: each gets its next prefill chunk or its decode, a decode
-   also n-gram drafts when speculating (``actors/spec_decode.py``). When the blocks run out,
+   also n-gram drafts when speculating (``actors/spec_decode/proposer.py``). When the blocks run out,
    the last running request (the latest admitted; under ``priority``, the worst) is preempted
    by recompute: its blocks go, its tokens stay, and it returns to the front of the waiting
    queue.
@@ -27,16 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.kv_transfer import KVTransfer, Lookup
-from pagedserve.actors.request import Request, RequestStatus
-from pagedserve.actors.request_queue import (
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import Request, RequestStatus
+from pagedserve.actors.core.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
     RunningRequests,
 )
-from pagedserve.actors.spec_decode import make_proposer
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv.transfer import KVTransfer, Lookup
+from pagedserve.actors.spec_decode.proposer import make_proposer
 from pagedserve.gpu.batch import ScheduledRequest
 
 

@@ -1,6 +1,6 @@
 """Data-parallel settings, named as vLLM's flags (``vllm/engine/arg_utils.py``): how many
 engines serve behind one API server, where they run, and how the router picks one per request
-(``actors/dp_router.py``).
+(``actors/dp/router.py``).
 
 A field whose metadata has ``help`` is also a ``pagedserve serve`` flag (``server/engine_args.py``
 builds the flags from these fields). Ranks ``0..data_parallel_size-1`` are whole engines (each

@@ -3,12 +3,12 @@ its ``DPAsyncMPClient`` on the front side).
 
 ``DataParallelEngine`` has ``AsyncEngine``'s interface as the HTTP layer uses it, so the server
 does not know it talks to a group: ``add_request`` / ``beam_search`` / ``generate`` go to the
-engine ``DPRouter`` picks (``actors/dp_router.py``, fed by each engine's KV events); stats are
-each engine's plus totals (``actors/dp_stats.py``); ``reset_prefix_cache``, ``drain``,
+engine ``DPRouter`` picks (``actors/dp/router.py``, fed by each engine's KV events); stats are
+each engine's plus totals (``actors/dp/stats.py``); ``reset_prefix_cache``, ``drain``,
 ``wait_idle`` and ``shutdown`` reach every engine.
 
 The engines are given as a list, index = data-parallel rank: the ``EngineCoreClient``s of the
-engine-core processes (``actors/dp_launch.py`` builds the group once every rank, local or on a
+engine-core processes (``actors/dp/launch.py`` builds the group once every rank, local or on a
 ``--headless`` node, has registered); any object with ``AsyncEngine``'s interface serves. An
 engine whose ``failure`` is set is never routed to again; the group is ``degraded`` while some
 but not all have failed, and failed (``failure``) once none is left.
@@ -27,14 +27,14 @@ from typing import Any
 
 import structlog
 
-from pagedserve.actors.beam_group import BeamSearchStream
-from pagedserve.actors.beam_search import BeamSearchParams
-from pagedserve.actors.dp_router import DPRouter, NoEngineLeft, RoutingDecision
-from pagedserve.actors.dp_stats import DataParallelStats, EngineRouting, total_stats
-from pagedserve.actors.engine import EngineConfig
-from pagedserve.actors.request_stream import GenerateMixin, RequestStream
+from pagedserve.actors.beam.group import BeamSearchStream
+from pagedserve.actors.beam.search import BeamSearchParams
+from pagedserve.actors.dp.router import DPRouter, NoEngineLeft, RoutingDecision
+from pagedserve.actors.dp.stats import DataParallelStats, EngineRouting, total_stats
+from pagedserve.actors.engine.async_engine import EngineConfig
+from pagedserve.actors.engine.request_stream import GenerateMixin, RequestStream
 from pagedserve.actors.stats import EngineStats, StatLogger
-from pagedserve.actors.structured_output import CompiledConstraint
+from pagedserve.actors.structured_output.manager import CompiledConstraint
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = structlog.get_logger(__name__)

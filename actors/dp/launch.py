@@ -3,9 +3,9 @@ node's (vLLM's ``vllm/v1/engine/utils.py`` launch and ``serve --headless``, read
 
 - ``start_engine``: ``--data-parallel-size 1`` (and no ``--headless``) is the in-process
   ``AsyncEngine``, as before; more engines are engine-core processes
-  (``actors/engine_core_proc.py``) behind an ``EngineCoreHub``, this node's spawned here, the
+  (``actors/engine_core/proc.py``) behind an ``EngineCoreHub``, this node's spawned here, the
   others registering from ``--headless`` nodes; the front serves once every rank has
-  registered, through ``DataParallelEngine`` (``actors/dp_engine.py``: routed by
+  registered, through ``DataParallelEngine`` (``actors/dp/engine.py``: routed by
   ``--data-parallel-routing``, fed by each core's forwarded KV events) over their
   ``EngineCoreClient``s.
 - ``run_headless``: spawn this node's engines, pointed at the front's address, and wait until
@@ -29,13 +29,13 @@ from typing import Any
 
 import structlog
 
-from pagedserve.actors.dp_config import DataParallelConfig
-from pagedserve.actors.dp_engine import DataParallelEngine
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
-from pagedserve.actors.engine_core_client import EngineCoreClient
-from pagedserve.actors.engine_core_hub import EngineCoreHub
-from pagedserve.actors.engine_core_messages import CoreSpec
-from pagedserve.actors.engine_core_proc import SPEC_ENV, spec_to_env
+from pagedserve.actors.dp.config import DataParallelConfig
+from pagedserve.actors.dp.engine import DataParallelEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine_core.client import EngineCoreClient
+from pagedserve.actors.engine_core.hub import EngineCoreHub
+from pagedserve.actors.engine_core.messages import CoreSpec
+from pagedserve.actors.engine_core.proc import SPEC_ENV, spec_to_env
 from pagedserve.gpu import loader
 from pagedserve.gpu.cpu_threads import THREADS_ENV, cpu_threads
 
@@ -68,7 +68,7 @@ class LocalEngine:
         env[SPEC_ENV] = spec_to_env(spec)
         env[THREADS_ENV] = str(threads)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, *SAFE_PATH, "-m", "pagedserve.actors.engine_core_proc",
+            sys.executable, *SAFE_PATH, "-m", "pagedserve.actors.engine_core.proc",
             f"--engine-index={spec.engine_index}", env=env)
         log.info("engine_process_started", engine=spec.engine_index, pid=proc.pid,
                  threads=threads)

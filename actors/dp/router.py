@@ -1,7 +1,7 @@
 """Which engine of a data-parallel group runs a request (the idea of llm-d's and SGLang's
 cache-aware routers, and of vLLM's ``DPLBAsyncMPClient`` for the load side).
 
-The router keeps, per engine, what the engine told it in KV events (``actors/kv_events.py``):
+The router keeps, per engine, what the engine told it in KV events (``actors/kv/events.py``):
 the set of block hashes it holds in its prefix cache, and its running and waiting counts,
 pushed when they change. It never asks an engine anything per request.
 
@@ -9,7 +9,7 @@ Policies (``--data-parallel-routing``):
 
 ``prefix`` (default)
     hash the prompt's full blocks on the front, with the engines' function and salt
-    (``actors/kv_cache_utils.py``), and pick the engine holding the longest run of the leading
+    (``actors/kv/hashing.py``), and pick the engine holding the longest run of the leading
     hashes; among equals, the lightest. Unless that run covers less than
     ``PREFIX_MIN_MATCH`` of the prompt's tokens (a chat template's system prompt, which every
     request shares: a block or two of a few hundred tokens saves little and would pull every
@@ -45,14 +45,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.actors.errors import EngineOverloaded
-from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, BlockHash, extend_block_hashes
-from pagedserve.actors.kv_events import (
+from pagedserve.actors.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineLoad,
     KVEventBatch,
 )
+from pagedserve.actors.kv.hashing import HASH_FUNCTIONS, BlockHash, extend_block_hashes
 
 ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
 # Requests (running + waiting) by which the engine holding a prompt's prefix may exceed the

@@ -1,6 +1,6 @@
 """The engine as the HTTP layer sees it: start the actors, run one request as a task.
 
-``AsyncEngine.add_request`` + ``RequestStream`` (``actors/request_stream.py``) are the *request
+``AsyncEngine.add_request`` + ``RequestStream`` (``actors/engine/request_stream.py``) are the *request
 task* of DESIGN.md: the task owns the request's output queue, sends ``AddRequest`` to the
 scheduler, detokenizes what comes back, applies stop strings and, when it stops reading early
 (client gone, stop string matched), sends ``AbortRequest``, so the scheduler frees the blocks
@@ -18,13 +18,22 @@ from typing import Any
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors.beam_group import BeamSearchStream
-from pagedserve.actors.beam_search import BeamSearch, BeamSearchParams
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.detokenizer import IncrementalDetokenizer
-from pagedserve.actors.executor import Executor, make_executor
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.kv_events import KVEventSink
+from pagedserve.actors.beam.group import BeamSearchStream
+from pagedserve.actors.beam.search import BeamSearch, BeamSearchParams
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import Request, RequestOutput
+from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.engine.pooling import PoolingOutput, pooling_scheduler_config, run_pooling
+from pagedserve.actors.engine.request_stream import (
+    GenerateMixin,
+    RequestMetrics,
+    RequestStream,
+)
+from pagedserve.actors.executor.base import Executor, make_executor
+from pagedserve.actors.kv.events import KVEventSink
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv.sliding_window import longest_resident_tokens
 from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
@@ -33,18 +42,9 @@ from pagedserve.actors.messages import (
     NotifyWhenIdle,
     ResetPrefixCache,
 )
-from pagedserve.actors.pooling import PoolingOutput, pooling_scheduler_config, run_pooling
-from pagedserve.actors.request import Request, RequestOutput
-from pagedserve.actors.request_stream import (
-    GenerateMixin,
-    RequestMetrics,
-    RequestStream,
-)
-from pagedserve.actors.scheduler import Scheduler
-from pagedserve.actors.sliding_window import longest_resident_tokens
-from pagedserve.actors.spec_config import SpeculativeConfig
+from pagedserve.actors.spec_decode.config import SpeculativeConfig
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
-from pagedserve.actors.structured_output import (
+from pagedserve.actors.structured_output.manager import (
     CompiledConstraint,
     StructuredOutputConfig,
     StructuredOutputManager,
@@ -175,7 +175,7 @@ class AsyncEngine(GenerateMixin):
 
     def add_kv_event_sink(self, sink: KVEventSink, engine_index: int | None = None) -> None:
         """Have ``sink`` get this engine's KV events, a batch per scheduler step
-        (``actors/kv_event_publisher.py``), stamped ``engine_index`` when given. Start-up only."""
+        (``actors/kv/event_publisher.py``), stamped ``engine_index`` when given. Start-up only."""
         if engine_index is not None:
             self.scheduler.kv_events.engine_index = engine_index
         self.scheduler.kv_events.add_sink(sink)
@@ -238,8 +238,8 @@ class AsyncEngine(GenerateMixin):
         stop_token_ids: list[int] | None = None, priority: int = 0,
         cache_salt: str | None = None,
     ) -> BeamSearchStream:
-        """Queue a beam search (transformers' rules, ``actors/beam_search.py``; its beams share
-        KV blocks, ``actors/beam_group.py``) and return its handle once accepted.
+        """Queue a beam search (transformers' rules, ``actors/beam/search.py``; its beams share
+        KV blocks, ``actors/beam/group.py``) and return its handle once accepted.
 
         Args:
             stop_token_ids: ids that end a hypothesis as EOS does.
@@ -268,7 +268,7 @@ class AsyncEngine(GenerateMixin):
         priority: int = 0, cache_salt: str | None = None,
     ) -> PoolingOutput:
         """Run one pooling request (``--runner pooling``): its prompt's prefill through the
-        scheduler, then its vector (``actors/pooling.py``).
+        scheduler, then its vector (``actors/engine/pooling.py``).
 
         Raises:
             ValueError: the model is not served by the pooling runner.
@@ -329,7 +329,7 @@ class AsyncEngine(GenerateMixin):
         and bytes, on the CPU what the kernels run, ``cpu_isa``: their tier with ``_vnni`` where
         the int8 kernel uses VNNI, ``cpu_ops.isa_level()``) filled in."""
         config = asdict(self.config)
-        # The scheduler's own: a pooling encoder runs whole prompts (actors/pooling.py).
+        # The scheduler's own: a pooling encoder runs whole prompts (actors/engine/pooling.py).
         config["scheduler"] = asdict(self.scheduler.config)
         config["model"].update(model=self.info.source, dtype=self.info.dtype,
                                device=self.info.device, max_model_len=self.info.max_model_len,

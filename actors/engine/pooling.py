@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, replace
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.config import SchedulerConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import Request, RequestOutput
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest, AddRequest
-from pagedserve.actors.request import Request, RequestOutput
 from pagedserve.actors.stats import RequestUpdate, StatLogger
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.pooling_params import PoolingParams, PoolingType

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.core.request import Request, RequestOutput
+from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest
-from pagedserve.actors.request import Request, RequestOutput
 from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StatLogger
 from pagedserve.gpu.sampler import TokenLogprobs
 

@@ -1,7 +1,7 @@
 """An engine in another process, with ``AsyncEngine``'s interface (what ``server/`` calls).
 
-``EngineCoreClient`` stands for one engine-core process (``actors/engine_core_proc.py``) on
-this machine or a ``--headless`` node, through the hub's ROUTER (``actors/engine_core_hub.py``).
+``EngineCoreClient`` stands for one engine-core process (``actors/engine_core/proc.py``) on
+this machine or a ``--headless`` node, through the hub's ROUTER (``actors/engine_core/hub.py``).
 The cut is at ``AsyncEngine``'s interface (the core runs a whole ``AsyncEngine``), so the HTTP
 layer works unchanged on either, and a list of clients is what a data-parallel front routes
 over. Detokenizing and stop strings run in the core, beside its scheduler: the API process's
@@ -23,14 +23,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors import engine_core_messages as m
-from pagedserve.actors.beam_group import BeamSearchOutput
-from pagedserve.actors.beam_search import BeamSearchParams
-from pagedserve.actors.engine import EngineConfig
-from pagedserve.actors.engine_core_hub import EngineCoreHub
+from pagedserve.actors.beam.group import BeamSearchOutput
+from pagedserve.actors.beam.search import BeamSearchParams
+from pagedserve.actors.engine.async_engine import EngineConfig
+from pagedserve.actors.engine.request_stream import GenerateMixin, GenerationDelta, StreamState
+from pagedserve.actors.engine_core import messages as m
+from pagedserve.actors.engine_core.hub import EngineCoreHub
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.kv_events import KVEventSink
-from pagedserve.actors.request_stream import GenerateMixin, GenerationDelta, StreamState
+from pagedserve.actors.kv.events import KVEventSink
 from pagedserve.actors.stats import EngineStats, StatLogger
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -116,7 +116,7 @@ class RemoteBeamSearchStream(RemoteRequestStream):
 
 
 class EngineCoreClient(GenerateMixin):
-    """One engine-core process as an engine. Built by ``actors/dp_launch.py`` once the core
+    """One engine-core process as an engine. Built by ``actors/dp/launch.py`` once the core
     has registered; ``info``, ``effective_config()`` are what it registered with."""
 
     def __init__(self, hub: EngineCoreHub, registration: m.RegisterMsg, config: EngineConfig,
@@ -327,7 +327,7 @@ class EngineCoreClient(GenerateMixin):
         await self._dead.wait()
 
     async def shutdown(self) -> None:
-        """Tell the core to stop (``actors/dp_launch.py`` waits for local processes)."""
+        """Tell the core to stop (``actors/dp/launch.py`` waits for local processes)."""
         if self._closed:
             return
         self._hub.stopping.add(self.engine_index)

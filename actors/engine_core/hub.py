@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pagedserve.actors import engine_core_messages as m
+from pagedserve.actors.engine_core import messages as m
 
 log = structlog.get_logger(__name__)
 

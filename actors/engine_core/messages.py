@@ -28,19 +28,19 @@ from typing import Any
 
 import msgpack
 
-from pagedserve.actors import kv_events
-from pagedserve.actors.beam_group import BeamSearchOutput
-from pagedserve.actors.beam_search import BeamHypothesis, BeamSearchParams
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import EngineConfig
+from pagedserve.actors.beam.group import BeamSearchOutput
+from pagedserve.actors.beam.search import BeamHypothesis, BeamSearchParams
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import EngineConfig
+from pagedserve.actors.engine.request_stream import GenerationDelta
 from pagedserve.actors.errors import (
     DuplicateRequestId,
     EngineError,
     EngineOverloaded,
     EngineShuttingDown,
 )
-from pagedserve.actors.request_stream import GenerationDelta
-from pagedserve.actors.spec_config import SpeculativeConfig
+from pagedserve.actors.kv import events as kv_events
+from pagedserve.actors.spec_decode.config import SpeculativeConfig
 from pagedserve.actors.stats import (
     EngineStats,
     FinishedRequest,
@@ -52,8 +52,8 @@ from pagedserve.actors.stats import (
     StepStats,
     Throughput,
 )
-from pagedserve.actors.structured_output import GrammarError
-from pagedserve.actors.structured_output_config import StructuredOutputConfig
+from pagedserve.actors.structured_output.config import StructuredOutputConfig
+from pagedserve.actors.structured_output.manager import GrammarError
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.pooling_params import PoolerConfig, PoolingType
@@ -73,7 +73,7 @@ class WireError:
 
 @dataclass(slots=True)
 class CoreSpec:
-    """What one engine-core process starts from (``actors/dp_launch.py`` writes it into the
+    """What one engine-core process starts from (``actors/dp/launch.py`` writes it into the
     process's environment): its settings, its data-parallel rank, the front's ROUTER address
     (``tcp://host:port``), the log level."""
 

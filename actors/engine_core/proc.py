@@ -1,11 +1,11 @@
 """The engine-core process: one whole ``AsyncEngine`` behind a ZeroMQ socket (data parallelism's
 replica, vLLM's ``EngineCoreProc`` in ``vllm/v1/engine/core.py``, read to learn only).
 
-Started by ``actors/dp_launch.py`` (``python -m pagedserve.actors.engine_core_proc``, its
+Started by ``actors/dp/launch.py`` (``python -m pagedserve.actors.engine_core.proc``, its
 ``engine_core_messages.CoreSpec`` in ``$PAGEDSERVE_ENGINE_CORE_SPEC``), on the API server's
 machine or on a ``--headless`` node. It loads the model, connects a DEALER socket (identity
-``engine-<k>``) to the front's ROUTER (``actors/engine_core_hub.py``), sends ``RegisterMsg``
-and then serves ``actors/engine_core_messages.py``'s messages until ``ShutdownMsg``, SIGTERM,
+``engine-<k>``) to the front's ROUTER (``actors/engine_core/hub.py``), sends ``RegisterMsg``
+and then serves ``actors/engine_core/messages.py``'s messages until ``ShutdownMsg``, SIGTERM,
 its parent's death (``PR_SET_PDEATHSIG``: no engine outlives the process that started it) or
 the front's connection closing.
 
@@ -30,9 +30,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pagedserve.actors import engine_core_messages as m
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.kv_events import KVEventBatch
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine_core import messages as m
+from pagedserve.actors.kv.events import KVEventBatch
 from pagedserve.actors.stats import RequestUpdate, StepStats
 
 log = structlog.get_logger(__name__)

@@ -1,10 +1,10 @@
 """The executor actor: owns the model runner and runs each step on one dedicated thread, so the
 event loop keeps serving HTTP and SSE while the forward pass runs. ``make_executor`` picks it,
-or for a tensor/pipeline-parallel model the multi-process (``multiproc_executor.py``) or Ray
-(``ray_executor.py``) one.
+or for a tensor/pipeline-parallel model the multi-process (``actors/executor/multiproc.py``) or Ray
+(``actors/executor/ray.py``) one.
 
 Steps are queued to the thread as they arrive: with a step built ahead (``--async-scheduling``,
-``actors/inflight.py``) the thread goes from one forward pass to the next without waiting for
+``actors/core/inflight.py``) the thread goes from one forward pass to the next without waiting for
 the event loop, and the runner fills the input tokens the scheduler did not have yet."""
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
     check_layout(config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                  gguf_split_problem if model.quantization == "gguf" else None)
     if parallel.distributed_executor_backend == "ray":
-        from pagedserve.actors.ray_executor import RayExecutor
+        from pagedserve.actors.executor.ray import RayExecutor
 
         return RayExecutor(model, cache, parallel, max_num_batched_tokens, max_num_seqs)
-    from pagedserve.actors.multiproc_executor import MultiprocExecutor
+    from pagedserve.actors.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(model, cache, parallel, max_num_batched_tokens, max_num_seqs)

@@ -10,7 +10,7 @@ and on every worker's pipe and process sentinel at once, so a worker that raises
 the wait at once with its reason (``WorkerFailed``) instead of hanging in a collective.
 
 Under ``--async-scheduling`` pipeline parallelism keeps ``pp`` batches in flight
-(``pipeline_depth``; the scheduler's side is ``actors/inflight.py``): a step is broadcast as
+(``pipeline_depth``; the scheduler's side is ``actors/core/inflight.py``): a step is broadcast as
 soon as it arrives, from a thread of its own, while another thread waits for the replies in
 order, so stage 1 starts batch k+1 while stage 2 still computes batch k.
 """

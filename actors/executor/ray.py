@@ -20,8 +20,8 @@ import time
 
 import structlog
 
-from pagedserve.actors.multiproc_executor import MultiprocExecutor, WorkerFailed, merge_infos
-from pagedserve.actors.ray_worker import RayWorker
+from pagedserve.actors.executor.multiproc import MultiprocExecutor, WorkerFailed, merge_infos
+from pagedserve.actors.executor.ray_worker import RayWorker
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.model_runner import ModelInfo
 

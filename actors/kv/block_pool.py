@@ -1,5 +1,5 @@
 """KV blocks and the pool that hands them out (vLLM V1's ``vllm/v1/core/block_pool.py`` and
-``kv_cache_utils.py``).
+``actors/kv/hashing.py``).
 
 The free queue is a hand-written doubly linked list rather than a ``deque``: a block in the
 middle must come out in O(1) when a prefix-cache hit revives it, and the list order doubles as
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedserve.actors.kv_event_publisher import KVEventPublisher
+    from pagedserve.actors.kv.event_publisher import KVEventPublisher
 
 
 @dataclass(slots=True, eq=False)

@@ -1,4 +1,4 @@
-"""The engine side of KV events (``actors/kv_events.py``): record what the block pool does to
+"""The engine side of KV events (``actors/kv/events.py``): record what the block pool does to
 the prefix cache during a step and hand one ``KVEventBatch`` per step to the sinks (vLLM's
 ``KVEventPublisher`` in ``vllm/distributed/kv_events.py`` and the ``kv_event_queue`` its
 ``BlockPool`` fills, reduced to an in-process list).
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pagedserve.actors.kv_events import (
+from pagedserve.actors.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -40,7 +40,7 @@ from pagedserve.actors.kv_events import (
 )
 
 if TYPE_CHECKING:
-    from pagedserve.actors.block_pool import BlockPool
+    from pagedserve.actors.kv.block_pool import BlockPool
 
 log = structlog.get_logger(__name__)
 

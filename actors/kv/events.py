@@ -2,7 +2,7 @@
 (vLLM's ``vllm/distributed/kv_events.py``: BlockStored / BlockRemoved / AllBlocksCleared).
 
 Contract shared by the engine side (the scheduler emits, an engine-core process forwards) and
-the router (``actors/dp_router.py``), so both are written against these types only. Every
+the router (``actors/dp/router.py``), so both are written against these types only. Every
 field is a primitive (int, bytes, list of bytes), so a batch serializes with msgpack as
 ``[type_name, *fields]`` without a custom codec.
 """
@@ -18,7 +18,7 @@ class BlockStored:
     """Full blocks that became prefix-cache hits on this engine, in prompt order.
 
     Attributes:
-        block_hashes: the blocks' chained hashes (``actors/kv_cache_utils.py``), bytes each.
+        block_hashes: the blocks' chained hashes (``actors/kv/hashing.py``), bytes each.
     """
 
     block_hashes: list[bytes]

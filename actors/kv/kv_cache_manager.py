@@ -21,15 +21,15 @@ pass (``take_blocks_to_copy``). Full blocks stay shared for the beams' whole liv
 
 Sliding windows (``sliding_window``, when every layer of the model has one): blocks a running
 request's attention can no longer reach are released as it goes, and prefix-cache hits follow
-the window's rule (``actors/sliding_window.py``).
+the window's rule (``actors/kv/sliding_window.py``).
 """
 
 from __future__ import annotations
 
-from pagedserve.actors.block_pool import BlockPool, KVCacheBlock
-from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
-from pagedserve.actors.request import Request
-from pagedserve.actors.sliding_window import SlidingWindowBlocks
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.kv.block_pool import BlockPool, KVCacheBlock
+from pagedserve.actors.kv.hashing import HASH_FUNCTIONS, extend_block_hashes
+from pagedserve.actors.kv.sliding_window import SlidingWindowBlocks
 
 
 class KVCacheManager:
@@ -175,7 +175,7 @@ class KVCacheManager:
 
     def detach(self, request_id: str) -> list[KVCacheBlock]:
         """Take the request's blocks out of its name, still in use: a KV transfer holds them past
-        the request's end (``actors/kv_transfer.py``) and frees them with ``free_blocks``."""
+        the request's end (``actors/kv/transfer.py``) and frees them with ``free_blocks``."""
         return self.req_to_blocks.pop(request_id, [])
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.actors.block_pool import BlockPool, KVCacheBlock
+from pagedserve.actors.kv.block_pool import BlockPool, KVCacheBlock
 
 
 class SlidingWindowBlocks:

@@ -37,10 +37,10 @@ from typing import Any
 
 import structlog
 
-from pagedserve.actors.block_pool import KVCacheBlock
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.request import Request, RequestOutput, RequestStatus
-from pagedserve.actors.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagedserve.actors.core.request import Request, RequestOutput, RequestStatus
+from pagedserve.actors.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagedserve.actors.kv.block_pool import KVCacheBlock
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.stats import KVTransferStats
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.kv_connector.base import (

@@ -9,7 +9,7 @@ scores the last token and the drafts in one step, and the runner verifies them b
 sampling (``gpu/rejection_sampler.py``), which keeps the output distribution of plain decoding
 at any temperature, with every sampling parameter (penalties, min_tokens, logprobs, seeds, and
 the grammar: a guided request's bitmask has a row per drafted position,
-``actors/structured_output.py``); greedy output is the one plain decoding gives.
+``actors/structured_output/manager.py``); greedy output is the one plain decoding gives.
 
 With ``method: draft_model`` the scheduler only decides how many drafts a decode gets (the
 same room rules) and hands the runner that many placeholder slots; the draft model, in the
@@ -28,8 +28,8 @@ from __future__ import annotations
 import time
 from array import array
 
-from pagedserve.actors.request import Request
-from pagedserve.actors.spec_config import SpeculativeConfig, parse_speculative_config  # noqa: F401
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.spec_decode.config import SpeculativeConfig, parse_speculative_config  # noqa: F401
 from pagedserve.gpu.batch import ScheduledRequest
 
 

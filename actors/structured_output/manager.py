@@ -57,13 +57,13 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors.request import RequestStatus
-from pagedserve.actors.structured_output_config import StructuredOutputConfig  # noqa: F401
+from pagedserve.actors.core.request import RequestStatus
+from pagedserve.actors.structured_output.config import StructuredOutputConfig  # noqa: F401
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from pagedserve.actors.request import Request
+    from pagedserve.actors.core.request import Request
 
 log = structlog.get_logger(__name__)
 

@@ -62,7 +62,7 @@ class KVTransferConfig:
 
 
 class ConnectorRequest(Protocol):
-    """What a connector may read of a request (``actors/request.py::Request`` satisfies it)."""
+    """What a connector may read of a request (``actors/core/request.py::Request`` satisfies it)."""
 
     request_id: str
     prompt_token_ids: list[int]

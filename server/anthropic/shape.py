@@ -29,8 +29,8 @@ from typing import Any
 
 import structlog
 
+from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.request_stream import GenerationDelta, RequestStream
 from pagedserve.server.anthropic.errors import anthropic_error_body
 from pagedserve.server.responses_events import Emit, engine_error
 from pagedserve.server.tool_parsers import ToolCall, ToolParser

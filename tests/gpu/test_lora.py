@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.sampling_params import SamplingParams

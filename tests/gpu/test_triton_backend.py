@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.attention import (
     BACKEND_ENV,
     AttentionMetadata,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.actors.engine import EngineConfig
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.engine.async_engine import EngineConfig
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu.config import CacheConfig
 from pagedserve.server.cli import build_parser
 from pagedserve.server.config import ServerConfig, ServingConfig

@@ -1,5 +1,5 @@
 """Data parallelism through the real server (issue 14), every engine an engine-core process
-behind ``DataParallelEngine`` (``actors/dp_launch.py``, ``actors/dp_engine.py``).
+behind ``DataParallelEngine`` (``actors/dp/launch.py``, ``actors/dp/engine.py``).
 
 Two servers, started together and shared by the tests of this module:
 

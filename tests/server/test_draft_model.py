@@ -12,10 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu import kv_cache
-from pagedserve.gpu.config import (EMBEDDED_SERVED_NAME, CacheConfig, DraftModelConfig,
-                                   ModelConfig)
+from pagedserve.gpu.config import EMBEDDED_SERVED_NAME, CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
 from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
 from tests.server.test_spec_decode import REPEAT

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.pooling_params import PoolerConfig, PoolingType
 from pagedserve.server.launch import running_server
 from pagedserve.server.serving import ServingConfig

@@ -17,8 +17,8 @@ import signal
 import httpx
 import pytest
 
-from pagedserve.actors.executor import Executor
-from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.executor.base import Executor
 from pagedserve.server import cli
 from pagedserve.server.launch import free_port
 from tests.conftest import serve, until_stats

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.server.launch import running_server
 from pagedserve.server.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath

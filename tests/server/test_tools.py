@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import xgrammar as xgr
 
-from pagedserve.actors.structured_output import StructuredOutputManager
+from pagedserve.actors.structured_output.manager import StructuredOutputManager
 from pagedserve.gpu.sampling_params import StructuredOutputsParams
 from pagedserve.server.serving import ServingConfig
 from pagedserve.server.tool_calling import parameters_of

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from pagedserve.actors.dp_launch import SAFE_PATH
+from pagedserve.actors.dp.launch import SAFE_PATH
 from pagedserve.server import vllm_flags
 from pagedserve.server.cli import build_parser, package_version
 from pagedserve.server.engine_args import FLAG_CONFIGS, engine_config, flags_of

@@ -1,4 +1,4 @@
-"""The beam-search decision (``actors/beam_search.py``) against transformers' own beam search,
+"""The beam-search decision (``actors/beam/search.py``) against transformers' own beam search,
 fed the logprobs of the same tiny model (50 tokens, so EOS ends many hypotheses)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedserve.actors.beam_search import Beam, BeamSearch, BeamSearchParams
+from pagedserve.actors.beam.search import Beam, BeamSearch, BeamSearchParams
 
 EOS = 2
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedserve.actors.request import Request
+from pagedserve.actors.core.request import Request
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, targets
 from pagedserve.gpu.sampler import TokenLogprobs
-from tests.actors.test_scheduler import TOKEN, add, make, req
+from tests.actors.core.test_scheduler import TOKEN, add, make, req
 
 
 def run_step(sched) -> SchedulerOutput:

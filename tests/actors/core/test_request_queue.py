@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.actors.request_queue import RunningRequests, make_request_queue
-from tests.actors.test_scheduler import req
+from pagedserve.actors.core.request_queue import RunningRequests, make_request_queue
+from tests.actors.core.test_scheduler import req
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

@@ -15,13 +15,13 @@ import pytest
 import xgrammar as xgr
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.kv_cache_manager import KVCacheManager
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import Request, RequestStatus
+from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import GrammarReady
-from pagedserve.actors.request import Request, RequestStatus
-from pagedserve.actors.scheduler import Scheduler
-from pagedserve.actors.spec_decode import SpeculativeConfig
-from pagedserve.actors.structured_output import StructuredOutputRequest
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
+from pagedserve.actors.structured_output.manager import StructuredOutputRequest
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.sampling_params import SamplingParams
 

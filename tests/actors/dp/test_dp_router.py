@@ -8,22 +8,22 @@ import asyncio
 
 import pytest
 
-from pagedserve.actors.dp_router import (
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.dp.router import (
     PREFIX_LOAD_THRESHOLD,
     PROMPT_TOKENS_PER_REQUEST,
     DPRouter,
     NoEngineLeft,
 )
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.kv_event_publisher import KVEventPublisher
-from pagedserve.actors.kv_events import (
+from pagedserve.actors.kv.event_publisher import KVEventPublisher
+from pagedserve.actors.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineLoad,
     KVEventBatch,
 )
-from pagedserve.actors.request import Request
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.gpu.sampling_params import SamplingParams
 
 BS = 4  # tokens per block
@@ -164,7 +164,7 @@ async def test_a_real_engine_pushes_its_load_and_blocks(tiny_model_dir):
     """Through a real engine: a one-step request (max_tokens=1) is seen arriving and leaving,
     so the count the router adds when it sends a request does not stick; its prompt blocks
     arrive as stored hashes, and a reset clears them."""
-    from pagedserve.actors.engine import AsyncEngine
+    from pagedserve.actors.engine.async_engine import AsyncEngine
     from tests.conftest import engine_config
 
     engine = await AsyncEngine.start(engine_config(tiny_model_dir))

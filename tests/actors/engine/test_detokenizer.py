@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.actors.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.gpu.sampling_params import SamplingParams
 from tests.conftest import hf_tokenizer
 

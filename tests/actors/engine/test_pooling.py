@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.pooler import Pooler
 from pagedserve.gpu.pooling_params import PoolerConfig, PoolingParams, PoolingType

@@ -7,14 +7,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pagedserve.actors import engine_core_messages as m
-from pagedserve.actors.beam_group import BeamSearchOutput
-from pagedserve.actors.beam_search import BeamHypothesis
-from pagedserve.actors.dp_config import DataParallelConfig
+from pagedserve.actors.beam.group import BeamSearchOutput
+from pagedserve.actors.beam.search import BeamHypothesis
+from pagedserve.actors.dp.config import DataParallelConfig
+from pagedserve.actors.engine.request_stream import GenerationDelta
+from pagedserve.actors.engine_core import messages as m
 from pagedserve.actors.errors import DuplicateRequestId, EngineError, EngineOverloaded
-from pagedserve.actors.kv_events import BlockStored, EngineLoad, KVEventBatch
-from pagedserve.actors.request_stream import GenerationDelta
-from pagedserve.actors.spec_config import SpeculativeConfig
+from pagedserve.actors.kv.events import BlockStored, EngineLoad, KVEventBatch
+from pagedserve.actors.spec_decode.config import SpeculativeConfig
 from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StepStats
 from pagedserve.gpu.sampler import TokenLogprobs
 from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from pagedserve.actors.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.request import Request
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.gpu.sampling_params import SamplingParams
 
 

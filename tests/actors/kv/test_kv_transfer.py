@@ -1,4 +1,4 @@
-"""The scheduler's KV connector side (``actors/kv_transfer.py``) step by step: a real
+"""The scheduler's KV connector side (``actors/kv/transfer.py``) step by step: a real
 ``KVCacheManager`` and ``Scheduler``, a connector written against the contract
 (``gpu/kv_connector/base.py``) that loads asynchronously, and hand-made runner outputs that play
 its worker half (``finished_recving``, ``finished_sending``, ``failed_recving``). After every
@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.request import RequestStatus
-from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import RequestStatus
+from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.kv_connector.base import (
     ConnectorRequest,
@@ -22,7 +22,7 @@ from pagedserve.gpu.kv_connector.base import (
     KVTransferConfig,
     LoadFailurePolicy,
 )
-from tests.actors.test_scheduler import BS, TOKEN, outputs, req
+from tests.actors.core.test_scheduler import BS, TOKEN, outputs, req
 
 NUM_BLOCKS = 32
 

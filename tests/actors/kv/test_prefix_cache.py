@@ -7,15 +7,15 @@ import asyncio
 import random
 import uuid
 
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.kv_cache_utils import (
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.kv.hashing import (
     HASH_FUNCTIONS,
     ROOT_HASH,
     extend_block_hashes,
     hash_block_tokens,
 )
-from pagedserve.actors.request import Request
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.gpu.sampling_params import SamplingParams
 from tests.conftest import engine_config
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.request import Request
-from pagedserve.actors.sliding_window import longest_resident_tokens
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
+from pagedserve.actors.kv.sliding_window import longest_resident_tokens
 from pagedserve.gpu.sampling_params import SamplingParams
 
 BS, W = 4, 10  # a 10-token window over 4-token blocks: the next query reads 9 earlier keys

@@ -4,10 +4,10 @@ Helpers and conventions (block size 4, hand-made runner outputs) as in ``test_sc
 
 from __future__ import annotations
 
-from pagedserve.actors.request import RequestStatus
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.core.request import RequestStatus
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu.batch import ModelRunnerOutput
-from tests.actors.test_scheduler import EOS, add, make, outputs, req, sizes, step
+from tests.actors.core.test_scheduler import EOS, add, make, outputs, req, sizes, step
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
 

@@ -1,11 +1,15 @@
-"""n-gram proposals and the ``--speculative-config`` parser (``actors/spec_decode.py``); the
+"""n-gram proposals and the ``--speculative-config`` parser (``actors/spec_decode/proposer.py``); the
 engine-level checks (greedy parity, exact stops) are in ``tests/server/test_spec_decode.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.actors.spec_decode import SpeculativeConfig, parse_speculative_config, propose_ngram
+from pagedserve.actors.spec_decode.proposer import (
+    SpeculativeConfig,
+    parse_speculative_config,
+    propose_ngram,
+)
 
 
 def test_propose_ngram_takes_the_longest_latest_match():

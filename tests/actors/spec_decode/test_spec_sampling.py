@@ -24,11 +24,11 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.kv_cache_manager import KVCacheManager
-from pagedserve.actors.request import Request
-from pagedserve.actors.scheduler import Scheduler
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.request import Request
+from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu import rejection_sampler
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner

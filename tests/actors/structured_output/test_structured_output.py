@@ -13,9 +13,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.errors import EngineError
-from pagedserve.actors.structured_output import (
+from pagedserve.actors.structured_output.manager import (
     GrammarError,
     StructuredOutputConfig,
     StructuredOutputManager,
