@@ -278,7 +278,7 @@ async def serve_concurrent(engine, concurrency: int, max_tokens: int) -> dict:
     import httpx
 
     from pagedserve.server.launch import running_server
-    from pagedserve.server.serving import ServingConfig
+    from pagedserve.server.openai.serving import ServingConfig
 
     prompt = "Write a long story about a lighthouse keeper and the sea."
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,

@@ -14,21 +14,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedserve.actors.engine.async_engine import AsyncEngine
-from pagedserve.server.admin import admin_routes
+from pagedserve.server.admin.routes import admin_routes
 from pagedserve.server.anthropic.serving import MessagesServing
+from pagedserve.server.compat.vllm_routes import doc_routes, vllm_routes
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body_for
 from pagedserve.server.lora_modules import lora_routes
 from pagedserve.server.middleware import DEFAULT_BODY_READ_TIMEOUT_S, RequestGuard, ServerLoad
-from pagedserve.server.pooling_serving import PoolingServing
-from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.openai.serving import Serving, ServingConfig
+from pagedserve.server.pooling.scoring import Scoring
+from pagedserve.server.pooling.serving import PoolingServing
 from pagedserve.server.request_body import parse_body
-from pagedserve.server.responses_api import ResponsesServing
-from pagedserve.server.responses_store import ResponseStore
-from pagedserve.server.scoring import Scoring
-from pagedserve.server.serving import Serving, ServingConfig
-from pagedserve.server.tool_calling import tool_dicts
-from pagedserve.server.vllm_routes import doc_routes, vllm_routes
+from pagedserve.server.responses.api import ResponsesServing
+from pagedserve.server.responses.store import ResponseStore
+from pagedserve.server.tools.calling import tool_dicts
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 Nothing heavy is imported before the command line is parsed: ``--help``, ``--version`` and usage
 errors answer without loading torch or transformers. vLLM's own flags that pagedserve lacks are
-accepted with a warning or refused with a reason (``server/vllm_flags.py``).
+accepted with a warning or refused with a reason (``server/compat/vllm_flags.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import structlog
 
 from pagedserve.actors.dp.config import DataParallelConfig
 from pagedserve.gpu.config import CPU_KV_CACHE_ENV, EMBEDDED_SERVED_NAME
-from pagedserve.server import vllm_flags
+from pagedserve.server.compat import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig, default_served_names
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
 from pagedserve.server.generation_config import GenerationDefaults, load_generation_defaults

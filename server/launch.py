@@ -20,7 +20,7 @@ from hypercorn.protocol.h11 import H11Protocol
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.server.app import build_app
 from pagedserve.server.errors import error_body
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 
 MAX_HEADER_BYTES = 16 * 1024  # request line and headers together; larger ones get 431
 

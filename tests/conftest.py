@@ -23,7 +23,7 @@ from pagedserve.actors.structured_output.manager import StructuredOutputConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests import (
     process_leaks,
     triton_interpreter,  # noqa: F401  (TRITON_INTERPRET before triton loads)

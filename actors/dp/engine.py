@@ -15,7 +15,7 @@ but not all have failed, and failed (``failure``) once none is left.
 
 ``n > 1``: the serving layer sends a request's choices as consecutive ``add_request`` calls
 with ids ``<base>-<i>``, the first carrying ``SamplingParams.n = n`` and the others ``n = 0``
-(``server/serving.py``); the followers go to the first one's engine, where they share its
+(``server/openai/serving.py``); the followers go to the first one's engine, where they share its
 prompt blocks.
 """
 

@@ -72,7 +72,7 @@ PROMPT_TOKENS_PER_REQUEST = 64
 
 
 class NoEngineLeft(EngineOverloaded):
-    """Every engine of the group has failed: the server answers 503 (``server/admission.py``
+    """Every engine of the group has failed: the server answers 503 (``server/openai/admission.py``
     maps an ``EngineOverloaded`` to an OpenAI-shaped 503), not a 500."""
 
 

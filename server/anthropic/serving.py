@@ -26,11 +26,11 @@ from pagedserve.server.anthropic.convert import chat_request
 from pagedserve.server.anthropic.errors import anthropic_error_body
 from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedserve.server.anthropic.shape import MessageShape, Output, events
+from pagedserve.server.openai.output import DisconnectWatch, RequestSummary, until_disconnect
+from pagedserve.server.openai.serving import ChatInputs, Serving
 from pagedserve.server.request_body import parse_body
-from pagedserve.server.responses import DisconnectWatch, RequestSummary, until_disconnect
-from pagedserve.server.responses_events import collect
-from pagedserve.server.serving import ChatInputs, Serving
-from pagedserve.server.tool_calling import tool_dicts
+from pagedserve.server.responses.events import collect
+from pagedserve.server.tools.calling import tool_dicts
 
 
 def _ping() -> ServerSentEvent:

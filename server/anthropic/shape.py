@@ -32,8 +32,8 @@ import structlog
 from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.server.anthropic.errors import anthropic_error_body
-from pagedserve.server.responses_events import Emit, engine_error
-from pagedserve.server.tool_parsers import ToolCall, ToolParser
+from pagedserve.server.responses.events import Emit, engine_error
+from pagedserve.server.tools.parsers import ToolCall, ToolParser
 
 log = structlog.get_logger(__name__)
 

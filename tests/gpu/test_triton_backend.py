@@ -27,7 +27,7 @@ from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 from pagedserve.gpu.cuda_graph import DecodeBatch
 from pagedserve.gpu.sampling_params import SamplingParams
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import TINY_NAME, chat, engine_config
 from tests.triton_interpreter import KERNEL_DEVICE as DEVICE
 

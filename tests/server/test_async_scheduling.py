@@ -19,7 +19,7 @@ from pagedserve.actors.core.inflight import in_flight_depth
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.spec_decode.config import parse_speculative_config
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import (
     TINY_NAME,
     chat,
