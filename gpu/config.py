@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagedserve.gpu.kv_connector.base import KVTransferConfig
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
 from pagedserve.gpu.lora.config import LoRAConfig
-from pagedserve.gpu.pooling_params import PoolerConfig, parse_pooler_config
+from pagedserve.gpu.pooling.pooling_params import PoolerConfig, parse_pooler_config
 
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).

@@ -13,27 +13,20 @@ import structlog
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu import (
-    cpu_gemm,
-    gguf_linear,
-    gguf_load,
-    kv_cache,
-    loader,
-    memory,
-    prompt_logprobs,
-)
+from pagedserve.gpu import gguf_linear, gguf_load, kv_cache, loader
 from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
+from pagedserve.gpu.cpu import gemm as cpu_gemm
+from pagedserve.gpu.cpu import memory
+from pagedserve.gpu.cpu.thread_governor import ThreadGovernor
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
-from pagedserve.gpu.draft_model import DraftModel
 from pagedserve.gpu.dtype_choice import (
     keeps_gguf_in_place,
     pick_dtype,
     pick_linear_plan,
     pick_quantization,
 )
-from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.lora.manager import LoRAManager, lora_kernel
@@ -44,13 +37,15 @@ from pagedserve.gpu.models.rope import longrope_factors
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
-from pagedserve.gpu.pooling_runner import PoolingInfo, PoolingRunner
+from pagedserve.gpu.pooling.pooling_runner import PoolingInfo, PoolingRunner
 from pagedserve.gpu.prev_sampled import PrevSampled
-from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
-from pagedserve.gpu.sampler import SampleRow, sample
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample import prompt_logprobs
+from pagedserve.gpu.sample.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.sample.sampler import SampleRow, sample
+from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.gpu.spec_decode.draft_model import DraftModel
+from pagedserve.gpu.spec_decode.rejection_sampler import DraftedRequest, rejection_sample
 from pagedserve.gpu.step_inputs import prepare_inputs
-from pagedserve.gpu.thread_governor import ThreadGovernor
 from pagedserve.kernels import cpu_ops
 
 log = structlog.get_logger(__name__)
@@ -102,7 +97,7 @@ class ModelRunner:
     ):
         """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
         step, which the CUDA path profiles (KV sizing) and captures (decode graphs).
-        ``draft``: a draft model for speculative decoding (``gpu/draft_model.py``);
+        ``draft``: a draft model for speculative decoding (``gpu/spec_decode/draft_model.py``);
         ``parallel``: this rank's share of a tensor/pipeline-parallel model (``gpu/worker.py``)."""
         self.parallel = parallel
         self.model_config = model_config
@@ -508,7 +503,7 @@ class ModelRunner:
         self.draft.propose(drafting, tokens)
 
     def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
-        """Verify every request's drafts by rejection sampling (``gpu/rejection_sampler.py``):
+        """Verify every request's drafts by rejection sampling (``gpu/spec_decode/rejection_sampler.py``):
         a request with k drafts has k + 1 rows, row ``j`` processed with the first ``j`` drafts
         in its history; it gets back its accepted drafts plus one token. Requests without
         drafts are the ``k = 0`` case: plain sampling of their one row."""

@@ -25,7 +25,7 @@ from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea, number "
 

@@ -50,7 +50,7 @@ from pagedserve.server.launch import start_server_process
 
 
 async def tokens_per_s(engine, streams: int, output_tokens: int, tag: str) -> float:
-    from pagedserve.gpu.sampling_params import SamplingParams
+    from pagedserve.gpu.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     ids = engine.tokenizer.encode("Write a short story about a lighthouse keeper.")

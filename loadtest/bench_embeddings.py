@@ -33,7 +33,7 @@ from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
-from pagedserve.gpu.pooling_params import PoolingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
 
 
 def make_chunks(n: int, tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:

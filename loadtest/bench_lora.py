@@ -26,7 +26,7 @@ from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.gpu.lora.request import LoRARequest
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea, number "
 

@@ -303,7 +303,7 @@ def decode_step_vs_floor(runner, concurrency: int, dry: bool) -> dict:
     """One decode step of ``concurrency`` requests at context 512 on blocks of their own,
     against its floor: every weight read once plus the context's K/V, over copy bandwidth."""
     from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
-    from pagedserve.gpu.sampling_params import SamplingParams
+    from pagedserve.gpu.sample.sampling_params import SamplingParams
 
     ctx, bs = (24 if dry else 512), runner.block_size
     per_seq = -(-(ctx + 1) // bs)

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from pagedserve.gpu.cpu_threads import openmp_defaults
+from pagedserve.gpu.cpu.threads import openmp_defaults
 from pagedserve.kernels.cpu_isa import cap_torch_env
 
 # First, before the imports below load torch: libgomp (torch's OpenMP, shared by our C++

@@ -47,7 +47,7 @@ from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.gpu.batch import ScheduledRequest
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.gpu.lora.request import LoRARequest
-from pagedserve.gpu.pooling_params import PoolingParams
-from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
-from pagedserve.gpu.sampler import TokenLogprobs
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
+from pagedserve.gpu.sample.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
+from pagedserve.gpu.sample.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.actors.beam.group import BeamGroup

@@ -35,7 +35,7 @@ from pagedserve.actors.engine.async_engine import EngineConfig
 from pagedserve.actors.engine.request_stream import GenerateMixin, RequestStream
 from pagedserve.actors.stats import EngineStats, StatLogger
 from pagedserve.actors.structured_output.manager import CompiledConstraint
-from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
 

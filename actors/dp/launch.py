@@ -12,7 +12,7 @@ node's (vLLM's ``vllm/v1/engine/utils.py`` launch and ``serve --headless``, read
   they have all exited (the front's shutdown stops them) or SIGTERM / Ctrl-C stops them.
 
 Each local engine process gets its share of this process's cores as its thread count
-(``gpu/cpu_threads.py``: 2 cores, 2 engines → 1 thread each) and its own KV pool (the cache
+(``gpu/cpu/threads.py``: 2 cores, 2 engines → 1 thread each) and its own KV pool (the cache
 flags apply per engine, as vLLM's do). Every engine process dies with the process that
 started it (``PR_SET_PDEATHSIG``) and is stopped by it: ``ShutdownMsg`` or SIGTERM, then
 SIGKILL after ``STOP_TIMEOUT_S``.
@@ -37,7 +37,7 @@ from pagedserve.actors.engine_core.hub import EngineCoreHub
 from pagedserve.actors.engine_core.messages import CoreSpec
 from pagedserve.actors.engine_core.proc import SPEC_ENV, spec_to_env
 from pagedserve.gpu import loader
-from pagedserve.gpu.cpu_threads import THREADS_ENV, cpu_threads
+from pagedserve.gpu.cpu.threads import THREADS_ENV, cpu_threads
 
 log = structlog.get_logger(__name__)
 

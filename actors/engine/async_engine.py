@@ -54,8 +54,8 @@ from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, Pa
 from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
 from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.model_runner import ModelInfo
-from pagedserve.gpu.pooling_params import PoolingParams
-from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
 
 log = structlog.get_logger(__name__)

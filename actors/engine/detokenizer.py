@@ -11,7 +11,7 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 # Prompt tokens fed as context so the first output token decodes as it would mid-text.
 _PROMPT_CONTEXT = 6

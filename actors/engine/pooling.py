@@ -25,8 +25,8 @@ from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest, AddRequest
 from pagedserve.actors.stats import RequestUpdate, StatLogger
 from pagedserve.gpu.model_runner import ModelInfo
-from pagedserve.gpu.pooling_params import PoolingParams, PoolingType
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams, PoolingType
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StatLogger
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from pagedserve.actors.engine_core.hub import EngineCoreHub
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv.events import KVEventSink
 from pagedserve.actors.stats import EngineStats, StatLogger
-from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass(slots=True)

@@ -56,10 +56,10 @@ from pagedserve.actors.structured_output.config import StructuredOutputConfig
 from pagedserve.actors.structured_output.manager import GrammarError
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo
-from pagedserve.gpu.pooling_params import PoolerConfig, PoolingType
-from pagedserve.gpu.pooling_runner import PoolingInfo
-from pagedserve.gpu.sampler import TokenLogprobs
-from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.pooling.pooling_params import PoolerConfig, PoolingType
+from pagedserve.gpu.pooling.pooling_runner import PoolingInfo
+from pagedserve.gpu.sample.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from pagedserve.actors.actor import Actor
 from pagedserve.actors.messages import ExecuteModel
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.cpu_threads import cpu_threads
+from pagedserve.gpu.cpu.threads import cpu_threads
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.parallel.comm import free_port
 from pagedserve.gpu.parallel.shm_all_reduce import process_exited

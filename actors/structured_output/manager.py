@@ -60,7 +60,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.actors.core.request import RequestStatus
 from pagedserve.actors.structured_output.config import StructuredOutputConfig  # noqa: F401
 from pagedserve.gpu.batch import ScheduledRequest
-from pagedserve.gpu.sampling_params import StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedserve.actors.core.request import Request

@@ -21,7 +21,7 @@ from pagedserve.actors.beam.group import BeamSearchOutput, BeamSearchStream
 from pagedserve.actors.beam.search import BeamSearchParams
 from pagedserve.actors.engine.request_stream import RequestStream, close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.openai.output import (

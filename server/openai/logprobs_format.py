@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampler import TokenLogprobs
 
 _FLOOR = -9999.0
 

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream, close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.openai.logprobs_format import LogprobsFormatter
 from pagedserve.server.openai.prompts import PromptInput

@@ -24,7 +24,7 @@ from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.engine.request_stream import RequestStream, close_all
 from pagedserve.actors.structured_output.manager import CompiledConstraint, GrammarError
 from pagedserve.gpu import loader
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.lora_modules import LoRARegistry

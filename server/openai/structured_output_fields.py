@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.gpu.sampling_params import StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import OpenAIError
 
 

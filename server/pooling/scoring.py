@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from pagedserve.actors.engine.pooling import PoolingOutput
-from pagedserve.gpu.pooling_params import PoolingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.prompts import truncate_ids
 from pagedserve.server.pooling.protocol import RerankRequest, ScoreRequest

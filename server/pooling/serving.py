@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from pagedserve.actors.engine.pooling import PoolingOutput
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.gpu.pooling_params import PoolingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.admission import ADMISSION_ERRORS, admission_error, check_priority
 from pagedserve.server.openai.output import DisconnectWatch, until_disconnect

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.gpu.sampling_params import StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.protocol import _SamplingBody
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.actors.structured_output.manager import GrammarError
-from pagedserve.gpu.sampling_params import StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.tools.parser_choice import AutoToolChoice
 from pagedserve.server.tools.parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser

@@ -25,7 +25,7 @@ from pagedserve.gpu.attention import (
 )
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 from pagedserve.gpu.cuda_graph import DecodeBatch
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.launch import running_server
 from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import TINY_NAME, chat, engine_config

@@ -9,8 +9,8 @@ import asyncio
 
 from pagedserve.actors.core.request import Request
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
-from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, targets
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sample.prompt_logprobs import PromptLogprobsChunk, targets
+from pagedserve.gpu.sample.sampler import TokenLogprobs
 from tests.actors.core.test_scheduler import TOKEN, add, make, req
 
 

@@ -23,7 +23,7 @@ from pagedserve.actors.messages import GrammarReady
 from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.actors.structured_output.manager import StructuredOutputRequest
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 BS = 4  # tokens per block
 EOS = 2

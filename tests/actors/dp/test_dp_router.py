@@ -24,7 +24,7 @@ from pagedserve.actors.kv.events import (
     KVEventBatch,
 )
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 BS = 4  # tokens per block
 

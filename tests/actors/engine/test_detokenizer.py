@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import hf_tokenizer
 
 

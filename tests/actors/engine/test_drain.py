@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.errors import EngineShuttingDown
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import chat_prompt_ids, engine_config
 
 

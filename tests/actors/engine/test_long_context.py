@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 
 from pagedserve.actors.engine.async_engine import AsyncEngine
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import chat_prompt_ids, engine_config, hf_greedy
 
 

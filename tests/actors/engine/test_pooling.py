@@ -13,9 +13,9 @@ import torch
 
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.batch import ScheduledRequest
-from pagedserve.gpu.pooler import Pooler
-from pagedserve.gpu.pooling_params import PoolerConfig, PoolingParams, PoolingType
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.pooling.pooler import Pooler
+from pagedserve.gpu.pooling.pooling_params import PoolerConfig, PoolingParams, PoolingType
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import engine_config
 from tests.server.pooling_models import hf_embeddings
 

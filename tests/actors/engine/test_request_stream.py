@@ -12,7 +12,7 @@ import pytest_asyncio
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.engine.request_stream import StreamState, close_all
 from pagedserve.actors.stats import RequestUpdate, StepStats
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import chat_prompt_ids, engine_config
 
 

@@ -16,8 +16,8 @@ from pagedserve.actors.errors import DuplicateRequestId, EngineError, EngineOver
 from pagedserve.actors.kv.events import BlockStored, EngineLoad, KVEventBatch
 from pagedserve.actors.spec_decode.config import SpeculativeConfig
 from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StepStats
-from pagedserve.gpu.sampler import TokenLogprobs
-from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.sample.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.conftest import engine_config
 
 

@@ -9,7 +9,7 @@ import pytest
 from pagedserve.actors.core.request import Request
 from pagedserve.actors.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 
 def test_free_queue_popleft_remove_append():

@@ -16,7 +16,7 @@ from pagedserve.actors.kv.hashing import (
     hash_block_tokens,
 )
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import engine_config
 
 SHA = HASH_FUNCTIONS["sha256"]

@@ -11,7 +11,7 @@ import asyncio
 from pagedserve.actors.core.request import Request
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.kv.sliding_window import longest_resident_tokens
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 BS, W = 4, 10  # a 10-token window over 4-token blocks: the next query reads 9 earlier keys
 

@@ -1,5 +1,5 @@
 """Speculative decoding at temperature > 0 keeps the output distribution (rejection sampling,
-``gpu/rejection_sampler.py``), keeps the seed contract, and a broken verifier is caught.
+``gpu/spec_decode/rejection_sampler.py``), keeps the seed contract, and a broken verifier is caught.
 
 The loop is the engine's step without the actors: the real ``Scheduler`` (n-gram drafts, block
 bookkeeping) and the real ``ModelRunner`` on a tiny random Llama, called in turn. The model
@@ -29,10 +29,10 @@ from pagedserve.actors.core.request import Request
 from pagedserve.actors.core.scheduler import Scheduler
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
-from pagedserve.gpu import rejection_sampler
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.gpu.spec_decode import rejection_sampler
 
 N = 5000
 # Picked among random prompts for drafts this model often takes (about 40% accepted).

@@ -22,9 +22,9 @@ from pagedserve.actors.structured_output.manager import (
     cache_key,
     check_json_schema,
 )
-from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
-from pagedserve.gpu.sampling_params import SamplingParams
-from pagedserve.gpu.sampling_params import StructuredOutputsParams as Spec
+from pagedserve.gpu.sample.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams as Spec
 from tests.conftest import chat_prompt_ids, engine_config, hf_tokenizer
 
 VOCAB = 49152

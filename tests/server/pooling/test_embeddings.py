@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedserve.actors.engine.async_engine import AsyncEngine
-from pagedserve.gpu.pooling_params import PoolerConfig, PoolingType
+from pagedserve.gpu.pooling.pooling_params import PoolerConfig, PoolingType
 from pagedserve.server.launch import running_server
 from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import TINY_NAME, engine_config, stats

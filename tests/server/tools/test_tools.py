@@ -15,7 +15,7 @@ import pytest_asyncio
 import xgrammar as xgr
 
 from pagedserve.actors.structured_output.manager import StructuredOutputManager
-from pagedserve.gpu.sampling_params import StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 from pagedserve.server.openai.serving import ServingConfig
 from pagedserve.server.tools.calling import parameters_of
 from pagedserve.server.tools.parsers import TOOL_PARSERS

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.gpu.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampler import TokenLogprobs
 
 if TYPE_CHECKING:
     from pagedserve.gpu.batch import ScheduledRequest

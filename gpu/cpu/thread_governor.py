@@ -42,7 +42,7 @@ from pathlib import Path
 
 import structlog
 
-from pagedserve.gpu import cpu_threads
+from pagedserve.gpu.cpu import threads as cpu_threads
 
 log = structlog.get_logger(__name__)
 

@@ -71,7 +71,7 @@ class SamplingParams:
         logprob_token_ids: with ``logprobs``, the alternatives are these token ids (in this
             order) instead of the top ones (vLLM's ``logprob_token_ids``).
         prompt_logprobs: the logprob of every prompt token and this many top alternatives,
-            from the model's raw logits (``None`` = none): ``gpu/prompt_logprobs.py``.
+            from the model's raw logits (``None`` = none): ``gpu/sample/prompt_logprobs.py``.
         structured_outputs: a guided-decoding constraint, or ``None``.
         n: the client request's ``n``, for the ``request_params_n`` metric only: a request
             with ``n > 1`` runs as ``n`` engine requests, the first carries ``n``, the others

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.gpu import thread_governor as tg
-from pagedserve.gpu.thread_governor import (
+from pagedserve.gpu.cpu import thread_governor as tg
+from pagedserve.gpu.cpu.thread_governor import (
     ThreadGovernor,
     choose_threads,
     cpu_busy_seconds,

@@ -5,7 +5,7 @@ vLLM's ``vllm/v1/sample/rejection_sampler.py``).
 A request with ``k`` drafts ``d_1..d_k`` has ``k + 1`` logits rows from the verify step: row
 ``j`` is the target's next-token distribution ``p_j`` after the last sampled token and
 ``d_1..d_j``. Every row gets the whole sampling pipeline of plain decoding
-(``gpu/sampler.py``'s ``target_distribution``: logit bias, min_tokens, penalties over the
+(``gpu/sample/sampler.py``'s ``target_distribution``: logit bias, min_tokens, penalties over the
 history *including the drafts before it*, temperature, min-p, top-k/top-p; the grammar bitmask
 is applied per row before), so ``p_j`` is exactly what plain decoding would sample from had it
 produced ``d_1..d_j``.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.gpu.sampler import (
+from pagedserve.gpu.sample.sampler import (
     SampleRow,
     TargetDistribution,
     TokenLogprobs,

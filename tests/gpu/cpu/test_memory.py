@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.gpu import kv_cache, loader, memory
+from pagedserve.gpu import kv_cache, loader
 from pagedserve.gpu.attention import get_attention_backend
 from pagedserve.gpu.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
+from pagedserve.gpu.cpu import memory
 
 CPU = torch.device("cpu")
 
@@ -45,7 +46,8 @@ def test_the_cpu_kv_pool_is_lazy_and_sized_from_vllms_variable(tiny_model_dir, m
 def test_a_gguf_model_keeps_one_copy_of_its_weights():
     """Read in place, the embedded model's weights are the file's tensor bytes (within 1.1x:
     norms, RoPE tables), in either mode and either dtype."""
-    from pagedserve.gpu import gguf_load, linear_bands
+    from pagedserve.gpu import gguf_load
+    from pagedserve.gpu.cpu import linear_bands
     from pagedserve.gpu.layer_ops import get_layer_ops
 
     resolved = loader.resolve_model(None)

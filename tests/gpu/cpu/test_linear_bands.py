@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.gpu import gguf_linear, linear_bands, loader
-from pagedserve.gpu.linear_bands import ALL, plan_for
+from pagedserve.gpu import gguf_linear, loader
+from pagedserve.gpu.cpu import linear_bands
+from pagedserve.gpu.cpu.linear_bands import ALL, plan_for
 from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.kernels import gguf_ops
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.gpu import cpu_threads
+from pagedserve.gpu.cpu import threads as cpu_threads
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -77,7 +77,7 @@ def _in_child(code: str, cpus: set[int], **env: str) -> dict:
 
 
 _COUNT = """import json
-from pagedserve.gpu import cpu_threads
+from pagedserve.gpu.cpu import threads as cpu_threads
 print(json.dumps({"threads": cpu_threads.cpu_threads(), "quota": cpu_threads.cgroup_cpu_quota(),
                   "cpus": sorted(cpu_threads.affinity_cpus())}))
 """
@@ -99,7 +99,7 @@ def test_thread_count_follows_a_real_affinity_set():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_the_runner_pins_torch_to_one_thread_on_one_cpu_and_the_user_overrides():
     code = """import json, torch
-from pagedserve.gpu.thread_governor import ThreadGovernor
+from pagedserve.gpu.cpu.thread_governor import ThreadGovernor
 g = ThreadGovernor.start()
 print(json.dumps({"torch": torch.get_num_threads(), "adaptive": g.cpus is not None}))
 """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -170,7 +170,7 @@ def token_logprobs(lp_row: torch.Tensor, token: int, k: int,
 @dataclass(slots=True)
 class TargetDistribution:
     """Each row's next-token distribution once every sampling parameter is applied: what
-    ``sample`` draws from, and what the rejection sampler (``gpu/rejection_sampler.py``)
+    ``sample`` draws from, and what the rejection sampler (``gpu/spec_decode/rejection_sampler.py``)
     verifies drafts against, so both paths share one copy of the processing.
 
     Attributes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.gpu import sampler
+from pagedserve.gpu.sample import sampler
 
 VOCAB = 49152  # SmolLM2's: the candidate counts are small beside it, as in serving
 

@@ -17,7 +17,7 @@ it once, when torch loads it, so ``openmp_defaults`` must go into the environmen
 
 After Go's ``automaxprocs`` and the JVM's container support (quota / period, rounded down).
 The run-time side, fewer threads while another process holds a core, is
-``gpu/thread_governor.py``.
+``gpu/cpu/thread_governor.py``.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def cpu_threads() -> int:
     The event loop (HTTP, SSE, detokenizing) shares a core with one of them; it is light
     enough that on a quiet 2-core machine 2 threads beat 1 end to end: 122 against 72 output
     tok/s at 8 streams, 203 against 140 at 32 (loadgen workload, bfloat16). When another
-    process takes a core, ``gpu/thread_governor.py`` uses fewer.
+    process takes a core, ``gpu/cpu/thread_governor.py`` uses fewer.
 
     Raises ``ValueError`` for a ``PAGEDSERVE_CPU_THREADS`` that is not a positive integer.
     """

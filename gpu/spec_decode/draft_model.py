@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from pagedserve.gpu import cpu_gemm, gguf_load, kv_cache, loader
+from pagedserve.gpu import gguf_load, kv_cache, loader
 from pagedserve.gpu.attention import AttentionBackend
 from pagedserve.gpu.batch import ScheduledRequest, order_batch
 from pagedserve.gpu.config import DraftModelConfig
+from pagedserve.gpu.cpu import gemm as cpu_gemm
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedserve.gpu import cpu_gemm
+from pagedserve.gpu.cpu import gemm as cpu_gemm
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.can_pack(torch.bfloat16, torch.device("cpu")),

@@ -3,7 +3,7 @@ and ``vllm/config/pooler.py``, trimmed to sequence pooling).
 
 A pooling request runs its prompt's prefill only (no decode, no sampling): the runner returns
 one vector per request, the final hidden states pooled over the prompt (``LAST``, ``MEAN`` or
-``CLS``, ``gpu/pooler.py``), then an embedding head (Matryoshka truncation, L2 norm) or a
+``CLS``, ``gpu/pooling/pooler.py``), then an embedding head (Matryoshka truncation, L2 norm) or a
 classifier (a cross-encoder's logits and their sigmoid / softmax).
 """
 

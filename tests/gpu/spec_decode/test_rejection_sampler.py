@@ -1,4 +1,4 @@
-"""The rejection sampler on its own (``gpu/rejection_sampler.py``): with a draft distribution
+"""The rejection sampler on its own (``gpu/spec_decode/rejection_sampler.py``): with a draft distribution
 ``q`` (not only a point mass) the first emitted token is distributed as the target ``p``;
 greedy rows keep drafts while they equal the argmax. The model-level checks (n-gram drafts
 on a real tiny Llama, 5,000 seeded samples) are in ``tests/actors/spec_decode/test_spec_sampling.py``."""
@@ -9,9 +9,9 @@ from collections import Counter
 
 import torch
 
-from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
-from pagedserve.gpu.sampler import SampleRow
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampler import SampleRow
+from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.gpu.spec_decode.rejection_sampler import DraftedRequest, rejection_sample
 from tests.actors.spec_decode.test_spec_sampling import chi_square_p
 
 P = torch.tensor([0.5, 0.25, 0.15, 0.1])  # the target at the first drafted position

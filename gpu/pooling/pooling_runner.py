@@ -19,8 +19,8 @@ import structlog
 import torch
 
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, order_batch
-from pagedserve.gpu.pooler import Pooler
-from pagedserve.gpu.pooling_params import PoolerConfig, PoolingType
+from pagedserve.gpu.pooling.pooler import Pooler
+from pagedserve.gpu.pooling.pooling_params import PoolerConfig, PoolingType
 from pagedserve.gpu.step_inputs import prepare_inputs
 
 log = structlog.get_logger(__name__)

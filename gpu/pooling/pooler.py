@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.gpu.batch import ScheduledRequest
-from pagedserve.gpu.pooling_params import PoolingParams, PoolingType
+from pagedserve.gpu.pooling.pooling_params import PoolingParams, PoolingType
 
 Classifier = Callable[[torch.Tensor], torch.Tensor]  # pooled [B, H] -> logits [B, L]
 
