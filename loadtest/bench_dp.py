@@ -68,7 +68,7 @@ async def tokens_per_s(engine, streams: int, output_tokens: int, tag: str) -> fl
 
 
 def codec_us(items: int, repeat: int = 20000) -> float:
-    from pagedserve.actors.engine.request_stream import GenerationDelta
+    from pagedserve.actors.engine.protocol import GenerationDelta
     from pagedserve.actors.engine_core import messages as m
 
     msg = m.OutputsMsg([m.StreamItem(i, GenerationDelta(" word", [1234], None, 20, 5))
@@ -90,7 +90,8 @@ async def split_part(args: argparse.Namespace) -> None:
     os.environ["PAGEDSERVE_CPU_THREADS"] = str(args.threads)  # the same, fixed, for both
     from pagedserve.actors.dp.config import DataParallelConfig
     from pagedserve.actors.dp.launch import start_engine_processes
-    from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+    from pagedserve.actors.engine.async_engine import AsyncEngine
+    from pagedserve.actors.engine.config import EngineConfig
     from pagedserve.gpu.config import ModelConfig
 
     config = EngineConfig(model=ModelConfig(model=args.model, max_model_len=1024))

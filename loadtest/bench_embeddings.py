@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.actors.core.config import SchedulerConfig
-from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.pooling.pooling_params import PoolingParams

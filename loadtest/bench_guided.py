@@ -22,7 +22,8 @@ import time
 import torch
 import xgrammar as xgr
 
-from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.sample.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from pagedserve.actors.core.config import SchedulerConfig
-from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.lora.config import LoRAConfig

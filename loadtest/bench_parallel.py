@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from pagedserve.actors.core.config import SchedulerConfig
-from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.cpu.threads import cpu_threads

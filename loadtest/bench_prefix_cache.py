@@ -18,7 +18,8 @@ import time
 import httpx
 
 from pagedserve.actors.core.config import SchedulerConfig
-from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.server.launch import running_server
 from pagedserve.server.openai.serving import ServingConfig

@@ -244,7 +244,8 @@ async def serve_step_async(dry: bool, enforce_eager: bool) -> dict:
     import torch
 
     from pagedserve.actors.core.config import SchedulerConfig
-    from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+    from pagedserve.actors.engine.async_engine import AsyncEngine
+    from pagedserve.actors.engine.config import EngineConfig
     from pagedserve.gpu.config import CacheConfig, ModelConfig
 
     concurrency, max_tokens = (2, 4) if dry else (64, 256)

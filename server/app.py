@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.protocol import EngineClient
 from pagedserve.server.admin.routes import admin_routes
 from pagedserve.server.anthropic.serving import MessagesServing
 from pagedserve.server.compat.vllm_routes import doc_routes, vllm_routes
@@ -42,7 +42,7 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_app(engine: AsyncEngine, config: ServingConfig,
+def build_app(engine: EngineClient, config: ServingConfig,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               access_log: bool = True,
               body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S) -> RequestGuard:
@@ -92,7 +92,7 @@ def serving_json(serving: Serving) -> dict:
             "auto_tool_choice": auto.enabled}
 
 
-def health_response(engine: AsyncEngine) -> Response:
+def health_response(engine: EngineClient) -> Response:
     """``/health``: 200 with no body while every engine serves; with data parallelism, 200 and
     ``{"status": "degraded", "failed_engines": {"1": why}}`` while some engine still serves
     (the router avoids the dead ones); 503 with ``{"status": "failed", "reason": ...}`` once
@@ -106,7 +106,7 @@ def health_response(engine: AsyncEngine) -> Response:
     return Response(status_code=200)
 
 
-def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
+def _model_routes(engine: EngineClient, serving: Serving) -> list[Route]:
     """``/v1/models`` and ``/v1/models/{model}``: a card per served name (vLLM lists each of
     ``--served-model-name``'s names; the first is the one answers report)."""
     created = int(time.time())
@@ -131,7 +131,7 @@ def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
             Route("/v1/models/{model:path}", model, methods=["GET"])]
 
 
-def _tokenizer_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
+def _tokenizer_routes(engine: EngineClient, serving: Serving) -> list[Route]:
     """``/tokenize`` (text or chat messages → ids) and ``/detokenize`` (ids → text)."""
 
     async def tokenize(request: Request) -> JSONResponse:

@@ -50,7 +50,7 @@ from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
 
 if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not wait for it
-    from pagedserve.actors.engine.async_engine import EngineConfig
+    from pagedserve.actors.engine.config import EngineConfig
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
@@ -189,7 +189,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ValueError: LoRA limits that cannot work (``LoRAConfig.check``).
     """
-    from pagedserve.actors.engine.async_engine import EngineConfig
+    from pagedserve.actors.engine.config import EngineConfig
 
     lora = from_args(LoRAConfig, args)
     if lora.enable_lora:

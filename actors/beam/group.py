@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.beam.search import Beam, BeamHypothesis, BeamSearch
+from pagedserve.actors.beam.search import Beam, BeamSearch, BeamSearchOutput
 from pagedserve.actors.core.request import Request, RequestOutput, RequestStatus
 from pagedserve.actors.core.request_queue import (
     FCFSRequestQueue,
@@ -48,19 +48,6 @@ from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sample.sampler import TokenLogprobs
-
-
-@dataclass(slots=True)
-class BeamSearchOutput:
-    """The end of a beam search, on the root request's queue.
-
-    Attributes:
-        hypotheses: the ``beam_width`` best, best first.
-        finish_reasons: per hypothesis, ``stop`` (ended on EOS) or ``length``.
-    """
-
-    hypotheses: list[BeamHypothesis]
-    finish_reasons: list[str]
 
 
 @dataclass(slots=True)

@@ -214,3 +214,16 @@ class BeamSearch:
         """``stop`` for a hypothesis that ended on EOS, else ``length``."""
         ids = hypothesis.token_ids
         return "stop" if ids and ids[-1] in self.eos else "length"
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The end of a beam search, on the root request's queue.
+
+    Attributes:
+        hypotheses: the ``beam_width`` best, best first.
+        finish_reasons: per hypothesis, ``stop`` (ended on EOS) or ``length``.
+    """
+
+    hypotheses: list[BeamHypothesis]
+    finish_reasons: list[str]

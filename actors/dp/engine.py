@@ -1,7 +1,7 @@
 """Several engines behind one API server (data parallelism: vLLM's ``--data-parallel-size``,
 its ``DPAsyncMPClient`` on the front side).
 
-``DataParallelEngine`` has ``AsyncEngine``'s interface as the HTTP layer uses it, so the server
+``DataParallelEngine`` is an ``EngineClient`` (``actors/engine/protocol.py``), so the server
 does not know it talks to a group: ``add_request`` / ``beam_search`` / ``generate`` go to the
 engine ``DPRouter`` picks (``actors/dp/router.py``, fed by each engine's KV events); stats are
 each engine's plus totals (``actors/dp/stats.py``); ``reset_prefix_cache``, ``drain``,
@@ -9,7 +9,7 @@ each engine's plus totals (``actors/dp/stats.py``); ``reset_prefix_cache``, ``dr
 
 The engines are given as a list, index = data-parallel rank: the ``EngineCoreClient``s of the
 engine-core processes (``actors/dp/launch.py`` builds the group once every rank, local or on a
-``--headless`` node, has registered); any object with ``AsyncEngine``'s interface serves. An
+``--headless`` node, has registered); any ``EngineReplica`` serves (an ``AsyncEngine`` in tests). An
 engine whose ``failure`` is set is never routed to again; the group is ``degraded`` while some
 but not all have failed, and failed (``failure``) once none is left.
 
@@ -27,26 +27,31 @@ from typing import Any
 
 import structlog
 
-from pagedserve.actors.beam.group import BeamSearchStream
 from pagedserve.actors.beam.search import BeamSearchParams
 from pagedserve.actors.dp.router import DPRouter, NoEngineLeft, RoutingDecision
 from pagedserve.actors.dp.stats import DataParallelStats, EngineRouting, total_stats
-from pagedserve.actors.engine.async_engine import EngineConfig
-from pagedserve.actors.engine.request_stream import GenerateMixin, RequestStream
+from pagedserve.actors.engine.config import EngineConfig
+from pagedserve.actors.engine.protocol import (
+    BeamSearchHandle,
+    DeltaStream,
+    EngineClient,
+    EngineReplica,
+    GenerateRequest,
+    Grammar,
+)
 from pagedserve.actors.stats import EngineStats, StatLogger
-from pagedserve.actors.structured_output.manager import CompiledConstraint
-from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 
 log = structlog.get_logger(__name__)
 
 
-class DataParallelEngine(GenerateMixin):
+class DataParallelEngine(EngineClient):
     """Args:
     engines: the group, index = data-parallel rank; all serve the same model and settings.
     policy: the routing policy (``DPRouter``).
     """
 
-    def __init__(self, engines: list[Any], policy: str = "prefix"):
+    def __init__(self, engines: list[EngineReplica], policy: str = "prefix"):
         if not engines:
             raise ValueError("a data-parallel group needs at least one engine")
         self.engines = engines
@@ -109,7 +114,7 @@ class DataParallelEngine(GenerateMixin):
             if front_load is not None:
                 self.router.count_from_front(k, *front_load())
 
-    def _live(self) -> list[Any]:
+    def _live(self) -> list[EngineReplica]:
         return [e for e, v in zip(self.engines, self.router.engines) if v.failed is None]
 
     # -- requests -----------------------------------------------------------------------------
@@ -136,34 +141,28 @@ class DataParallelEngine(GenerateMixin):
         log.info("routed", request_id=request_id, **decision.log_fields())
         return decision.engine
 
-    async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str | None = None,
-        grammar: CompiledConstraint | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> RequestStream:
-        """``AsyncEngine.add_request`` on the routed engine."""
-        k = self._route(request_id, prompt_token_ids, params.n, cache_salt)
+    async def submit(self, new: GenerateRequest) -> DeltaStream:
+        """``add_request`` (``EngineClient``'s) on the routed engine."""
+        params = new.params
+        k = self._route(new.request_id, new.prompt_token_ids, params.n, new.cache_salt)
         try:
-            return await self.engines[k].add_request(request_id, prompt_token_ids, params,
-                                                     priority, cache_salt, grammar,
-                                                     kv_transfer_params)
+            return await self.engines[k].submit(new)
         except BaseException:
             if params.n > 1:  # its followers will not come
-                self._pins.pop(request_id.rpartition("-")[0], None)
+                self._pins.pop(new.request_id.rpartition("-")[0], None)
             raise
 
     async def beam_search(
         self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
         stop_token_ids: list[int] | None = None, priority: int = 0,
         cache_salt: str | None = None,
-    ) -> BeamSearchStream:
+    ) -> BeamSearchHandle:
         """``AsyncEngine.beam_search`` on the routed engine (its beams share blocks there)."""
         k = self._route(request_id, prompt_token_ids, 1, cache_salt)
         return await self.engines[k].beam_search(request_id, prompt_token_ids, params,
                                                  stop_token_ids, priority, cache_salt)
 
-    async def compile_grammar(self, spec: StructuredOutputsParams) -> CompiledConstraint:
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar:
         """Compiled once, on a live engine: a compile serves any engine of the group (same
         tokenizer and vocabulary)."""
         live = self._live()

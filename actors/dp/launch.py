@@ -31,7 +31,9 @@ import structlog
 
 from pagedserve.actors.dp.config import DataParallelConfig
 from pagedserve.actors.dp.engine import DataParallelEngine
-from pagedserve.actors.engine.async_engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
+from pagedserve.actors.engine.protocol import EngineClient
 from pagedserve.actors.engine_core.client import EngineCoreClient
 from pagedserve.actors.engine_core.hub import EngineCoreHub
 from pagedserve.actors.engine_core.messages import CoreSpec
@@ -108,7 +110,7 @@ async def spawn_local(config: EngineConfig, dp: DataParallelConfig, address: str
 
 
 async def start_engine(config: EngineConfig, dp: DataParallelConfig,
-                       log_level: str = "info") -> Any:
+                       log_level: str = "info") -> EngineClient:
     """The engine the API server serves: an ``AsyncEngine`` in this process for one engine,
     else the router over every rank's ``EngineCoreClient``.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +20,13 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.actors.beam.group import BeamSearchStream
 from pagedserve.actors.beam.search import BeamSearch, BeamSearchParams
-from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.core.request import Request, RequestOutput
 from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.engine.pooling import PoolingOutput, pooling_scheduler_config, run_pooling
-from pagedserve.actors.engine.request_stream import (
-    GenerateMixin,
-    RequestMetrics,
-    RequestStream,
-)
+from pagedserve.actors.engine.protocol import EngineReplica, GenerateRequest
+from pagedserve.actors.engine.request_stream import RequestMetrics, RequestStream
 from pagedserve.actors.executor.base import Executor, make_executor
 from pagedserve.actors.kv.events import KVEventSink
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
@@ -46,28 +43,17 @@ from pagedserve.actors.spec_decode.config import SpeculativeConfig
 from pagedserve.actors.stats import EngineStats, StatLogger, StatsSnapshot
 from pagedserve.actors.structured_output.manager import (
     CompiledConstraint,
-    StructuredOutputConfig,
     StructuredOutputManager,
 )
 from pagedserve.gpu import loader
-from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
+from pagedserve.gpu.config import DraftModelConfig
 from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
-from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.pooling.pooling_params import PoolingParams
 from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
 
 def _log_speculative(spec: SpeculativeConfig | None) -> None:
@@ -83,7 +69,7 @@ def _log_speculative(spec: SpeculativeConfig | None) -> None:
              disable_by_batch_size=spec.disable_by_batch_size)
 
 
-class AsyncEngine(GenerateMixin):
+class AsyncEngine(EngineReplica):
     """Owns the scheduler and executor actors. Create with ``await AsyncEngine.start(cfg)``."""
 
     def __init__(
@@ -180,45 +166,26 @@ class AsyncEngine(GenerateMixin):
             self.scheduler.kv_events.engine_index = engine_index
         self.scheduler.kv_events.add_sink(sink)
 
-    async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str | None = None,
-        grammar: CompiledConstraint | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> RequestStream:
-        """Queue a request and return its stream once the scheduler has accepted it, so a
-        refusal becomes an HTTP error before any response starts.
-
-        Args:
-            priority: lower runs earlier under the ``priority`` scheduling policy.
-            cache_salt: isolates the request's prefix-cache blocks from other salts.
-            grammar: ``params.structured_outputs`` as ``compile_grammar`` compiled it; the
-                request runs on it as is. Without it, a constraint in ``params`` is compiled
-                (or found cached) here and the scheduler parks the request until it is ready.
-            kv_transfer_params: vLLM's disaggregated prefill/decode fields, for the KV
-                connector (``gpu/kv_connector/``); its answer ends up on the last delta.
-            lora_request: the adapter to run with (``--enable-lora``; checked by the caller:
-                ``gpu/lora/peft.check_adapter``).
-
-        Raises:
-            EngineOverloaded: the waiting queue is full.
-            DuplicateRequestId: a live request has this id.
-            ValueError: the model is served for pooling (``--runner pooling``).
-            ValueError: ``grammar`` is not the compile of ``params.structured_outputs``.
-        """
+    async def submit(self, new: GenerateRequest) -> RequestStream:
+        """``add_request`` (``EngineClient``'s): build the ``Request``, attach its grammar state
+        and wait for the scheduler to accept it."""
         if self.info.runner == "pooling":  # its steps pool and never sample: it would not end
             raise ValueError("a pooling model (--runner pooling) does not generate: use encode")
+        params, grammar = new.params, new.grammar
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request = Request(request_id, prompt_token_ids, params, queue, eos_token_ids=self._eos,
-                          priority=priority, cache_salt=cache_salt,  # params: for a connector
-                          kv_transfer_params=kv_transfer_params
+        request = Request(new.request_id, new.prompt_token_ids, params, queue,
+                          eos_token_ids=self._eos, priority=new.priority,
+                          cache_salt=new.cache_salt,  # the params only for a connector
+                          kv_transfer_params=new.kv_transfer_params
                           if self.config.cache.kv_transfer_config is not None else None,
-                          lora_request=lora_request)
+                          lora_request=new.lora_request)
         if grammar is not None:
             if grammar.spec != params.structured_outputs:
                 raise ValueError("grammar was compiled for another constraint than "
                                  "params.structured_outputs")
+            if not isinstance(grammar, CompiledConstraint):
+                raise TypeError("grammar was compiled by another engine: compile it with "
+                                "this engine's compile_grammar")
             request.structured_output = grammar.new_request()
         elif params.structured_outputs is not None:
             request.structured_output = self.structured_output.request_for(
@@ -228,9 +195,9 @@ class AsyncEngine(GenerateMixin):
         try:
             await accepted
         except asyncio.CancelledError:
-            self.scheduler.send(AbortRequest(request_id))
+            self.scheduler.send(AbortRequest(new.request_id))
             raise
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, new.prompt_token_ids, params)
         return RequestStream(self.scheduler, request, detok, RequestMetrics(self.stat_loggers))
 
     async def beam_search(

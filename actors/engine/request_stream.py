@@ -20,48 +20,15 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import AsyncIterator, Iterable
-from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
 
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.core.request import Request, RequestOutput
 from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.actors.engine.protocol import BeamSearchHandle, DeltaStream, GenerationDelta
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest
 from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StatLogger
-from pagedserve.gpu.sample.sampler import TokenLogprobs
-
-
-@dataclass(slots=True)
-class GenerationDelta:
-    """One increment of a request's output.
-
-    Attributes:
-        text: new text (may be empty while a stop string or a multibyte character is pending).
-        token_ids: tokens sampled since the last delta.
-        finish_reason: ``stop``/``length`` on the last delta, else ``None``.
-        num_prompt_tokens, num_output_tokens: usage so far.
-        logprobs: one per token in ``token_ids``, when the request asked for them.
-        prompt_logprobs: on the first delta of a request that asked, one per prompt token
-            after the first.
-        num_cached_tokens: on the first delta, prompt tokens found in the prefix cache.
-        kv_transfer_params: on the last delta, the KV connector's reply (vLLM's fields).
-        stop_reason: on the last delta, the stop string that ended the output (vLLM's
-            ``CompletionOutput.stop_reason``; ``None`` for EOS, a stop token or a length).
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-    stop_reason: str | None = None
 
 
 class StreamState(enum.Enum):
@@ -213,25 +180,8 @@ class RequestStream:
             self._metrics.finished(self._request, finish)
 
 
-def close_all(streams: Iterable[RequestStream]) -> None:
-    """Close every stream (aborting the requests still live); safe to call more than once."""
+def close_all(streams: Iterable[DeltaStream | BeamSearchHandle]) -> None:
+    """Close every stream or beam search (aborting the requests still live); safe to call more
+    than once."""
     for stream in streams:
         stream.close()
-
-
-class GenerateMixin:
-    """``generate``: ``add_request`` and iterate its stream, in one call (for tools and tests),
-    for every engine with ``AsyncEngine``'s ``add_request`` (the in-process engine, the
-    data-parallel group, one engine-core client). Closing the iteration closes the stream."""
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: Any,
-        priority: int = 0, cache_salt: str | None = None, grammar: Any = None,
-        lora_request: Any = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        extra = {} if lora_request is None else {"lora_request": lora_request}
-        stream = await self.add_request(request_id, prompt_token_ids, params,
-                                        priority, cache_salt, grammar, **extra)
-        async with aclosing(stream):
-            async for delta in stream:
-                yield delta

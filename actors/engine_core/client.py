@@ -1,4 +1,4 @@
-"""An engine in another process, with ``AsyncEngine``'s interface (what ``server/`` calls).
+"""An engine in another process, as an ``EngineClient`` (what ``server/`` calls).
 
 ``EngineCoreClient`` stands for one engine-core process (``actors/engine_core/proc.py``) on
 this machine or a ``--headless`` node, through the hub's ROUTER (``actors/engine_core/hub.py``).
@@ -23,16 +23,16 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors.beam.group import BeamSearchOutput
-from pagedserve.actors.beam.search import BeamSearchParams
-from pagedserve.actors.engine.async_engine import EngineConfig
-from pagedserve.actors.engine.request_stream import GenerateMixin, GenerationDelta, StreamState
+from pagedserve.actors.beam.search import BeamSearchOutput, BeamSearchParams
+from pagedserve.actors.engine.config import EngineConfig
+from pagedserve.actors.engine.protocol import EngineReplica, GenerateRequest, GenerationDelta
+from pagedserve.actors.engine.request_stream import StreamState
 from pagedserve.actors.engine_core import messages as m
 from pagedserve.actors.engine_core.hub import EngineCoreHub
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv.events import KVEventSink
 from pagedserve.actors.stats import EngineStats, StatLogger
-from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ class RemoteBeamSearchStream(RemoteRequestStream):
         return item.beam
 
 
-class EngineCoreClient(GenerateMixin):
+class EngineCoreClient(EngineReplica):
     """One engine-core process as an engine. Built by ``actors/dp/launch.py`` once the core
     has registered; ``info``, ``effective_config()`` are what it registered with."""
 
@@ -250,24 +250,29 @@ class EngineCoreClient(GenerateMixin):
             stream._end(StreamState.FINISHED)  # noqa: SLF001
             m.raise_wire_error(accepted.error)
 
-    # -- AsyncEngine's interface --------------------------------------------------------------
+    # -- EngineClient -----------------------------------------------------------------------------
 
-    async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0, cache_salt: str | None = None,
-        grammar: RemoteGrammar | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> RemoteRequestStream:
-        """As ``AsyncEngine.add_request``; raises ``EngineError`` once the engine is lost."""
+    async def submit(self, new: GenerateRequest) -> RemoteRequestStream:
+        """``add_request`` (``EngineClient``'s) in the core; raises ``EngineError`` once the
+        engine is lost.
+
+        Raises:
+            ValueError: ``lora_request`` is given: adapters are not served across processes
+                (``--enable-lora`` with data parallelism is refused at start).
+        """
+        params, grammar = new.params, new.grammar
         if grammar is not None and grammar.spec != params.structured_outputs:
             raise ValueError("grammar was compiled for another constraint than "
                              "params.structured_outputs")
+        if new.lora_request is not None:
+            raise ValueError("LoRA adapters are not served by an engine-core process")
         rid = next(self._ids)
-        stream = RemoteRequestStream(self, rid, request_id)
-        await self._admit(stream, m.AddRequestMsg(rid, request_id, list(prompt_token_ids), params,
-                                                  priority, cache_salt, grammar is not None,
-                                                  kv_transfer_params),
-                          len(prompt_token_ids))
+        stream = RemoteRequestStream(self, rid, new.request_id)
+        await self._admit(stream, m.AddRequestMsg(rid, new.request_id,
+                                                  list(new.prompt_token_ids), params,
+                                                  new.priority, new.cache_salt,
+                                                  grammar is not None, new.kv_transfer_params),
+                          len(new.prompt_token_ids))
         return stream
 
     async def beam_search(

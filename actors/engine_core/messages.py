@@ -28,11 +28,10 @@ from typing import Any
 
 import msgpack
 
-from pagedserve.actors.beam.group import BeamSearchOutput
-from pagedserve.actors.beam.search import BeamHypothesis, BeamSearchParams
+from pagedserve.actors.beam.search import BeamHypothesis, BeamSearchOutput, BeamSearchParams
 from pagedserve.actors.core.config import SchedulerConfig
-from pagedserve.actors.engine.async_engine import EngineConfig
-from pagedserve.actors.engine.request_stream import GenerationDelta
+from pagedserve.actors.engine.config import EngineConfig
+from pagedserve.actors.engine.protocol import GenerationDelta
 from pagedserve.actors.errors import (
     DuplicateRequestId,
     EngineError,

@@ -1,7 +1,7 @@
 """The operators' routes: live stats (JSON and SSE), Prometheus metrics, the dashboard and the
 chat page.
 
-Every figure comes from the scheduler actor by message (``AsyncEngine.get_stats``, typed) or
+Every figure comes from the scheduler actor by message (``EngineClient.get_stats``, typed) or
 from the engine's stat loggers; nothing here reads actor state directly. The typed stats become
 JSON in ``server/admin/stats_json.py``, on their way out.
 
@@ -30,7 +30,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.protocol import EngineClient
 from pagedserve.actors.stats import EngineStats
 from pagedserve.server.admin.metrics import CONTENT_TYPE, PrometheusStatLogger
 from pagedserve.server.admin.stats_json import stats_json
@@ -47,7 +47,7 @@ _CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def admin_routes(engine: AsyncEngine, model_name: str, admin_key: str | None,
+def admin_routes(engine: EngineClient, model_name: str, admin_key: str | None,
                  api_key: str | None, metrics_prefix: str = "pagedserve",
                  serving: dict | None = None) -> list[BaseRoute]:
     """The routes; registers the Prometheus stat logger with ``engine`` (with data

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.engine.request_stream import RequestStream, close_all
+from pagedserve.actors.engine.protocol import DeltaStream
+from pagedserve.actors.engine.request_stream import close_all
 from pagedserve.server.anthropic.convert import chat_request
 from pagedserve.server.anthropic.errors import anthropic_error_body
 from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -82,7 +83,7 @@ class MessagesServing:
             watch.stop()
 
     async def _answer(self, watch: DisconnectWatch, body: MessagesRequest, inputs: ChatInputs,
-                      message_id: str, engine_id: str, stream: RequestStream) -> Response:
+                      message_id: str, engine_id: str, stream: DeltaStream) -> Response:
         shape = MessageShape(message_id, self.serving.config.model_name,
                              len(inputs.prompt.token_ids),
                              inputs.tools.parser if inputs.tools else None)

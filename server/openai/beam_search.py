@@ -17,9 +17,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from pagedserve.actors.beam.group import BeamSearchOutput, BeamSearchStream
-from pagedserve.actors.beam.search import BeamSearchParams
-from pagedserve.actors.engine.request_stream import RequestStream, close_all
+from pagedserve.actors.beam.search import BeamSearchOutput, BeamSearchParams
+from pagedserve.actors.engine.protocol import BeamSearchHandle
+from pagedserve.actors.engine.request_stream import close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.errors import OpenAIError
@@ -69,11 +69,11 @@ def beam_search_params(body: Any, params: SamplingParams) -> BeamSearchParams:
 
 
 async def start_beam_searches(engine: Any, request_id: str, prompts: list[list[int]],
-                              body: Any, params: list[SamplingParams]) -> list[BeamSearchStream]:
+                              body: Any, params: list[SamplingParams]) -> list[BeamSearchHandle]:
     """Queue one search per prompt (ids ``request_id-p`` for a list); all accepted, or none
     kept and the refusal an HTTP error (as ``Serving._start``)."""
     check_priority(body, engine.config.scheduler.policy)
-    streams: list[BeamSearchStream] = []
+    streams: list[BeamSearchHandle] = []
     try:
         for p, (prompt_ids, sp) in enumerate(zip(prompts, params, strict=True)):
             streams.append(await engine.beam_search(
@@ -81,7 +81,7 @@ async def start_beam_searches(engine: Any, request_id: str, prompts: list[list[i
                 beam_search_params(body, sp), stop_token_ids=list(body.stop_token_ids),
                 priority=body.priority, cache_salt=body.cache_salt))
     except ADMISSION_ERRORS as e:
-        close_all(streams)  # type: ignore[arg-type]  # BeamSearchStream closes alike
+        close_all(streams)
         raise admission_error(e) from e
     except BaseException:
         close_all(streams)  # type: ignore[arg-type]
@@ -89,7 +89,7 @@ async def start_beam_searches(engine: Any, request_id: str, prompts: list[list[i
     return streams
 
 
-async def beam_search_response(watch: DisconnectWatch, searches: list[BeamSearchStream],
+async def beam_search_response(watch: DisconnectWatch, searches: list[BeamSearchHandle],
                                builder: ResponseBuilder, skip_special_tokens: bool,
                                on_done: Any) -> Any:
     """The whole answer: per prompt, one choice per hypothesis, best first (or a 499/5xx)."""
@@ -98,13 +98,12 @@ async def beam_search_response(watch: DisconnectWatch, searches: list[BeamSearch
         try:
             outs = await asyncio.gather(*(s.result() for s in searches))
         except EngineError as e:
-            close_all(streams)  # the other prompts' searches end with this one
+            close_all(searches)  # the other prompts' searches end with this one
             status = 503 if isinstance(e, EngineShuttingDown) else 500
             raise OpenAIError(str(e), status=status) from e
         return _body(builder, outs, skip_special_tokens, on_done)
 
-    streams: list[RequestStream] = list(searches)  # type: ignore[arg-type]  # close, request_id
-    answer = await until_disconnect(watch, work(), builder.request_id, streams)
+    answer = await until_disconnect(watch, work(), builder.request_id, searches)
     if isinstance(answer, dict):
         return JSONResponse(answer, headers={"X-Request-Id": builder.request_id})
     return answer

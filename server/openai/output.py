@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +14,8 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream, close_all
+from pagedserve.actors.engine.protocol import BeamSearchHandle, DeltaStream, GenerationDelta
+from pagedserve.actors.engine.request_stream import close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.gpu.sample.sampler import TokenLogprobs
 from pagedserve.server.errors import OpenAIError, error_body
@@ -173,7 +174,7 @@ def whole_message(text: str) -> dict[str, Any]:
             "audio": None, "function_call": None, "tool_calls": []}
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, GenerationDelta]]:
+async def merge(streams: list[DeltaStream]) -> AsyncIterator[tuple[int, GenerationDelta]]:
     """Deltas of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for d in streams[0]:
@@ -182,7 +183,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Genera
     queue: asyncio.Queue[tuple[int, GenerationDelta | None, BaseException | None]] = (
         asyncio.Queue())
 
-    async def pump(i: int, s: RequestStream) -> None:
+    async def pump(i: int, s: DeltaStream) -> None:
         try:
             async for d in s:
                 queue.put_nowait((i, d, None))
@@ -292,7 +293,7 @@ class _ChoiceStreams:
         return c
 
 
-async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_done: OnDone,
+async def sse_events(builder: ResponseBuilder, streams: list[DeltaStream], on_done: OnDone,
                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
     """SSE ``data:`` payloads. Cancelled by sse-starlette when the client goes away, which
     closes the streams and so aborts the requests. ``continuous_usage`` (usage on every chunk)
@@ -347,7 +348,7 @@ async def sse_events(builder: ResponseBuilder, streams: list[RequestStream], on_
     yield "[DONE]"
 
 
-async def collect(builder: ResponseBuilder, streams: list[RequestStream],
+async def collect(builder: ResponseBuilder, streams: list[DeltaStream],
                   on_done: OnDone) -> dict:
     """The whole (non-streamed) answer."""
     n = len(streams)
@@ -404,9 +405,10 @@ class DisconnectWatch:
 
 
 async def until_disconnect(watch: DisconnectWatch, work: Awaitable[Any], request_id: str,
-                           streams: list[RequestStream] | None = None) -> Any:
+                           streams: Sequence[DeltaStream | BeamSearchHandle] | None = None,
+                           ) -> Any:
     """Await ``work``; if the client disconnects first, cancel it (which aborts the requests it
-    started or was starting: ``AsyncEngine.add_request`` aborts when cancelled), close
+    started or was starting: ``EngineClient.add_request`` aborts when cancelled), close
     ``streams``, and answer 499 (nobody reads it)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(watch.gone.wait())

@@ -20,9 +20,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pagedserve.actors.engine.async_engine import AsyncEngine
-from pagedserve.actors.engine.request_stream import RequestStream, close_all
-from pagedserve.actors.structured_output.manager import CompiledConstraint, GrammarError
+from pagedserve.actors.engine.protocol import DeltaStream, EngineClient, Grammar
+from pagedserve.actors.engine.request_stream import close_all
+from pagedserve.actors.structured_output.manager import GrammarError
 from pagedserve.gpu import loader
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig
@@ -96,7 +96,7 @@ def request_id_from(request: Request, prefix: str) -> str:
 class Serving:
     """Request handlers bound to one engine."""
 
-    def __init__(self, engine: AsyncEngine, config: ServingConfig):
+    def __init__(self, engine: EngineClient, config: ServingConfig):
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
@@ -197,7 +197,7 @@ class Serving:
 
     async def _structured_outputs(
         self, body: Any, params: SamplingParams, tools: ToolPlan | None = None,
-    ) -> CompiledConstraint | None:
+    ) -> Grammar | None:
         """Attach the request's guided-decoding constraint, compiled now so that a bad one is a
         400 before any stream starts; the compiled grammar goes on to ``add_request``. A
         forced tool call's constraint is one too (and excludes any other)."""
@@ -219,12 +219,12 @@ class Serving:
 
     async def _start(
         self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], body: _SamplingBody,
-        grammar: CompiledConstraint | None,
-    ) -> list[RequestStream]:
+        grammar: Grammar | None,
+    ) -> list[DeltaStream]:
         """Queue ``n`` engine requests per prompt (``jobs``: its ids and parameters), in choice
         order; all accepted, or none kept and an HTTP error raised."""
         check_priority(body, self.engine.config.scheduler.policy)
-        streams: list[RequestStream] = []
+        streams: list[DeltaStream] = []
         try:
             for p, (prompt_ids, params) in enumerate(jobs):
                 base = request_id if len(jobs) == 1 else f"{request_id}-{p}"
@@ -236,7 +236,7 @@ class Serving:
                         f"{base}-{i}" if body.n > 1 else base, prompt_ids, child,
                         priority=body.priority, cache_salt=body.cache_salt, grammar=grammar,
                         kv_transfer_params=body.kv_transfer_params,
-                        **self._lora_kwargs(body)))
+                        lora_request=self.loras.get(getattr(body, "model", None))))
         except ADMISSION_ERRORS as e:
             close_all(streams)
             raise admission_error(e) from e
@@ -244,12 +244,6 @@ class Serving:
             close_all(streams)
             raise
         return streams
-
-    def _lora_kwargs(self, body: Any) -> dict[str, Any]:
-        """``add_request``'s adapter argument for the body's ``model`` (none for the base
-        model: engines without LoRA take no such argument)."""
-        lora = self.loras.get(getattr(body, "model", None))
-        return {} if lora is None else {"lora_request": lora}
 
     def check_token_ids(self, ids: Iterable[int], param: str) -> None:
         """A 400 naming the first id outside the vocabulary, and the vocabulary's size."""
@@ -348,7 +342,7 @@ class Serving:
             watch.stop()
 
     async def _answer(self, watch: DisconnectWatch, builder: ResponseBuilder, body: Any,
-                      streams: list[RequestStream], on_done: OnDone):
+                      streams: list[DeltaStream], on_done: OnDone):
         """The SSE response, or the whole answer once every choice has finished."""
         headers = {"X-Request-Id": builder.request_id}
         if body.stream:

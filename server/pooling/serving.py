@@ -1,7 +1,7 @@
 """``POST /v1/embeddings`` and ``/pooling``: validate, tokenize, run pooling requests, shape
 the answer (vLLM's ``vllm/entrypoints/pooling/{embed,pooling}/serving.py``, read to learn).
 
-Each input becomes one engine pooling request (``AsyncEngine.encode``), all queued at once so
+Each input becomes one engine pooling request (``PoolingClient.encode``), all queued at once so
 the scheduler batches them. Everything wrong with a request is a 400 before any is queued.
 A model served for generation answers vLLM's error (``The model does not support Embeddings
 API``); so does an endpoint the pooling model has no head for.
@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from pagedserve.actors.engine.pooling import PoolingOutput
+from pagedserve.actors.engine.protocol import PoolingClient
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.gpu.pooling.pooling_params import PoolingParams
 from pagedserve.server.errors import OpenAIError
@@ -74,20 +75,22 @@ class PoolingServing:
         """Queue one pooling request per prompt and await them all (a 499 response when the
         client left first: every request is aborted)."""
         check_priority(body, self.engine.config.scheduler.policy)
-        if not hasattr(self.engine, "encode"):
+        engine = self.engine
+        if not isinstance(engine, PoolingClient):
             raise OpenAIError("pooling is not served with data parallelism yet", status=501)
         given = request.headers.get("x-request-id")
         request_id = given or f"{prefix}-{uuid.uuid4().hex}"
         watch = DisconnectWatch(request)
         try:
-            return await until_disconnect(watch, self._encode_all(request_id, prompts, params,
-                                                                   body), request_id)
+            return await until_disconnect(watch, self._encode_all(engine, request_id, prompts,
+                                                                   params, body), request_id)
         finally:
             watch.stop()
 
-    async def _encode_all(self, request_id: str, prompts: list[list[int]],
-                          params: list[PoolingParams], body: Any) -> list[PoolingOutput]:
-        tasks = [asyncio.ensure_future(self.engine.encode(
+    async def _encode_all(self, engine: PoolingClient, request_id: str,
+                          prompts: list[list[int]], params: list[PoolingParams],
+                          body: Any) -> list[PoolingOutput]:
+        tasks = [asyncio.ensure_future(engine.encode(
             f"{request_id}-{i}" if len(prompts) > 1 else request_id, ids, p,
             priority=body.priority, cache_salt=body.cache_salt))
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.engine.request_stream import RequestStream
+from pagedserve.actors.engine.protocol import DeltaStream
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.output import (
     DisconnectWatch,
@@ -55,7 +55,7 @@ class _Turn:
     shape: ResponseShape
     engine_id: str
     conversation: list[dict[str, Any]]
-    stream: RequestStream
+    stream: DeltaStream
     log_done: OnDone
 
 

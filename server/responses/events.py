@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from pagedserve.actors.engine.request_stream import GenerationDelta, RequestStream
+from pagedserve.actors.engine.protocol import DeltaStream, GenerationDelta
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.responses.protocol import FunctionTool, NamedFunctionChoice, ResponsesRequest
@@ -157,7 +157,7 @@ def engine_error(e: EngineError) -> OpenAIError:
     return OpenAIError(str(e), status=503 if isinstance(e, EngineShuttingDown) else 500)
 
 
-async def collect(stream: RequestStream, into: _Acc) -> _Acc:
+async def collect(stream: DeltaStream, into: _Acc) -> _Acc:
     """The whole output of a non-streamed answer, added delta by delta to ``into`` (the
     Responses API's ``Progress``, the Messages API's ``Output``), which is returned; an engine
     failure becomes ``engine_error``'s OpenAIError."""
@@ -251,7 +251,7 @@ class _Items:
         return [dict(i, status="incomplete") if i is self.open else i for i in self.items]
 
 
-async def events(shape: ResponseShape, stream: RequestStream,
+async def events(shape: ResponseShape, stream: DeltaStream,
                  on_done: Callable[[dict[str, Any], Progress], None]
                  ) -> AsyncIterator[dict[str, str]]:
     """The SSE events (``{"event", "data"}`` for sse-starlette) of a streamed response.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.actors.engine.async_engine import EngineConfig
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu.config import CacheConfig
 from pagedserve.server.cli import build_parser

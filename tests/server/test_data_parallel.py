@@ -55,7 +55,7 @@ def engine_pids(parent: int) -> dict[int, int]:
             cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        rank = re.search(r"engine_core_proc\x00--engine-index=(\d+)", cmd)
+        rank = re.search(r"engine_core\.proc\x00--engine-index=(\d+)", cmd)
         if rank and int(fields[1]) == parent and fields[0] != "Z":
             out[int(rank.group(1))] = int(entry.name)
     return out

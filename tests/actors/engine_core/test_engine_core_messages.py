@@ -7,10 +7,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pagedserve.actors.beam.group import BeamSearchOutput
-from pagedserve.actors.beam.search import BeamHypothesis
+from pagedserve.actors.beam.search import BeamHypothesis, BeamSearchOutput
 from pagedserve.actors.dp.config import DataParallelConfig
-from pagedserve.actors.engine.request_stream import GenerationDelta
+from pagedserve.actors.engine.protocol import GenerationDelta
 from pagedserve.actors.engine_core import messages as m
 from pagedserve.actors.errors import DuplicateRequestId, EngineError, EngineOverloaded
 from pagedserve.actors.kv.events import BlockStored, EngineLoad, KVEventBatch
