@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.engine.config import EngineConfig
-from pagedserve.actors.structured_output.manager import StructuredOutputConfig
+from pagedserve.actors.structured_output.config import StructuredOutputConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.launch import running_server

@@ -80,22 +80,28 @@ class BeamScheduler:
         self.running = running
         self.requests = requests
         self.finish = finish
-        self.groups: dict[str, BeamGroup] = {}
+        self.groups: dict[str, BeamGroup] = {}  # by the root's request id
+        self.group_of: dict[str, BeamGroup] = {}  # every live beam's request id → its search
         self.unseen_prefix: set[str] = set()  # forked beams the runner has not met yet
         self.num_forks_total = 0
         self.num_released_total = 0  # parked beams whose blocks were freed (release_parked)
+
+    def is_beam(self, request_id: str) -> bool:
+        """Whether the request is a beam of a live search (it then samples by the search's
+        rules: one token per round, never speculated, never scheduled ahead)."""
+        return request_id in self.group_of
 
     def add(self, root: Request, search: BeamSearch) -> None:
         """Register the root request of a new beam search (the scheduler queues it)."""
         group = BeamGroup(root.request_id, search, root.output_queue)
         group.beams[root.request_id] = Beam(root.request_id, root.output_token_ids, 0.0)
         group.requests[root.request_id] = root
-        root.beam_group = group
+        self.group_of[root.request_id] = group
         self.groups[root.request_id] = group
 
     def on_sampled(self, request: Request, logprobs: TokenLogprobs) -> None:
         """A beam sampled: park it with its top logprobs; the last of a round advances it."""
-        group: BeamGroup = request.beam_group
+        group = self.group_of[request.request_id]
         self.running.remove(request)
         request.status = RequestStatus.WAITING_FOR_BEAMS
         group.pending[request.request_id] = list(zip(logprobs.top_ids, logprobs.top_logprobs))
@@ -144,7 +150,7 @@ class BeamScheduler:
             num_cached_tokens=parent.num_cached_tokens, first_token_time=parent.first_token_time,
             block_hashes=list(parent.block_hashes), scheduled_time=parent.scheduled_time,
         )
-        child.beam_group = group
+        self.group_of[child.request_id] = group
         self.kv.fork(parent, child)
         self.kv.update_block_hashes(child)
         self.requests[child.request_id] = child
@@ -180,6 +186,7 @@ class BeamScheduler:
 
     def _retire(self, group: BeamGroup, request: Request, status: RequestStatus) -> None:
         del group.requests[request.request_id]
+        del self.group_of[request.request_id]
         self.unseen_prefix.discard(request.request_id)
         self.finish(request, status)
 
@@ -218,8 +225,8 @@ class BeamScheduler:
     def fail(self, request: Request, status: RequestStatus, message: str | None) -> None:
         """A beam failed (``FINISHED_ERROR``) or the server ends it (``FINISHED_ABORTED``):
         end its whole search and tell the client."""
-        group: BeamGroup = request.beam_group
-        if group.request_id not in self.groups:
+        group = self.group_of.get(request.request_id)
+        if group is None or group.request_id not in self.groups:
             return
         self._end(group, status)
         reason = "error" if status == RequestStatus.FINISHED_ERROR else "abort"

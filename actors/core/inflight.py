@@ -99,11 +99,13 @@ class InFlight:
         requests: the scheduler's live requests by id.
         executor: the executor actor (``ExecuteModel`` messages, answered in order).
         sync_only: when true, no step is built while another is in flight (beam search).
+        is_beam: whether a request is a beam (``BeamScheduler.is_beam``): never run ahead.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, planner: StepPlanner,
                  requests: dict[str, Request], executor: Actor, depth: int,
-                 schedule_ahead: bool, max_model_len: int, sync_only: Callable[[], bool]):
+                 schedule_ahead: bool, max_model_len: int, sync_only: Callable[[], bool],
+                 is_beam: Callable[[str], bool]):
         self.config = config
         self.executor = executor
         self.kv = kv
@@ -113,6 +115,7 @@ class InFlight:
         self.schedule_ahead = schedule_ahead
         self.max_model_len = max_model_len
         self.sync_only = sync_only
+        self.is_beam = is_beam
         self.steps: deque[InFlightStep] = deque()
         self.busy: dict[str, int] = {}  # request id → steps in flight that hold it
         self.ahead: dict[str, int] = {}  # request id → its tokens in flight (not yet computed)
@@ -191,7 +194,7 @@ class InFlight:
         if (sr.spec_token_ids or request.status != RequestStatus.RUNNING
                 or self.busy.get(sr.req_id, 0) != 1):
             return False
-        if (request.structured_output is not None or request.beam_group is not None
+        if (request.structured_output is not None or self.is_beam(request.request_id)
                 or params.prompt_logprobs is not None):
             return False
         if not sr.sample:

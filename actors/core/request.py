@@ -1,4 +1,8 @@
-"""Request state as the scheduler sees it (vLLM V1's ``vllm/v1/request.py``, trimmed)."""
+"""Request state as the scheduler sees it (vLLM V1's ``vllm/v1/request.py``, trimmed).
+
+A leaf of the engine: it imports the device side's parameter types and one feature's state
+type (``StructuredOutputRequest``, itself a leaf), nothing that imports it back. Which beam
+search a request is a beam of is the beam package's to know (``BeamScheduler.group_of``)."""
 
 from __future__ import annotations
 
@@ -14,9 +18,8 @@ from pagedserve.gpu.sample.prompt_logprobs import PromptLogprobsChunk, PromptLog
 from pagedserve.gpu.sample.sampler import TokenLogprobs
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pagedserve.actors.beam.group import BeamGroup
-    from pagedserve.actors.structured_output.manager import StructuredOutputRequest
+if TYPE_CHECKING:  # a leaf of the feature's package: it imports nothing of ours
+    from pagedserve.actors.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -95,7 +98,6 @@ class Request:
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
     # With sampling_params.prompt_logprobs: prompt tokens 1.. as the prefill computed them.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    beam_group: BeamGroup | None = None  # the beam search this request is a beam of
     # vLLM's disaggregated prefill/decode fields (``do_remote_decode``, ``remote_block_ids``...):
     # the client's at arrival; at the end, what the KV connector returns for the response.
     kv_transfer_params: dict[str, Any] | None = None

@@ -129,7 +129,10 @@ class RunningRequests:
         return iter(self._d)
 
 
-def make_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+RequestQueue = FCFSRequestQueue | PriorityRequestQueue  # the waiting queue, by policy
+
+
+def make_request_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":

@@ -30,7 +30,7 @@ from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.core.inflight import InFlight, in_flight_depth
 from pagedserve.actors.core.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from pagedserve.actors.core.request_queue import RunningRequests, make_request_queue
-from pagedserve.actors.core.scheduler_stats import record_step, snapshot
+from pagedserve.actors.core.scheduler_stats import SchedulerStatsRecorder
 from pagedserve.actors.core.step_planner import StepPlanner
 from pagedserve.actors.errors import DuplicateRequestId, EngineDeadError, EngineOverloaded
 from pagedserve.actors.kv.event_publisher import KVEventPublisher
@@ -46,8 +46,8 @@ from pagedserve.actors.messages import (
     ResetPrefixCache,
 )
 from pagedserve.actors.spec_decode.proposer import num_accepted
-from pagedserve.actors.stats import SpecDecodeStats, StatLogger, StepHistory
-from pagedserve.actors.structured_output.manager import advance, grammar_bitmask
+from pagedserve.actors.stats import StatLogger, StatsSnapshot
+from pagedserve.actors.structured_output.step import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.kv_connector.base import KVConnectorScheduler
 
@@ -69,25 +69,17 @@ class Scheduler(Actor):
         self.max_model_len = max_model_len
         self.waiting = make_request_queue(config.policy)
         self.running = RunningRequests()
-        self.planner = StepPlanner(config, kv_cache_manager, self.waiting, self.running,
-                                   self._preempt, max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
-        self.num_preemptions = 0
-        self.num_pooling_finished_total = 0  # pooling requests ended with their vector
-        self.spec_decode = SpecDecodeStats()  # speculative decoding's totals
-        self.num_steps = 0
-        self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
-        self.step_history = StepHistory()
-        # Observers of each step (the server's metrics); the engine owns the list.
-        self.stat_loggers: list[StatLogger] = stat_loggers if stat_loggers is not None else []
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
         self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
                                    self._finish)
+        self.planner = StepPlanner(config, kv_cache_manager, self.waiting, self.running,
+                                   self._preempt, max_model_len, self.beams.is_beam)
         self.inflight = InFlight(config, kv_cache_manager, self.planner, self.requests, executor,
                                  *in_flight_depth(config, executor), max_model_len,
-                                 lambda: bool(self.beams.groups))
+                                 lambda: bool(self.beams.groups), self.beams.is_beam)
         self.transfer = None if kv_connector is None else KVTransfer(  # actors/kv/transfer.py
             kv_connector, kv_cache_manager, self.waiting, self.requests, self._execute,
             self._finish)
@@ -96,6 +88,12 @@ class Scheduler(Actor):
             raise ValueError("--async-scheduling does not combine with --kv-transfer-config "
                              "(a transfer's empty steps run outside the flight): drop one")
         self.kv_events = KVEventPublisher(kv_cache_manager.block_pool)  # to the dp router
+        # Counters, step records and the GetStats reply (actors/core/scheduler_stats.py); the
+        # stat loggers (the server's metrics) see each step; the engine owns their list.
+        self.recorder = SchedulerStatsRecorder(
+            config, kv_cache_manager, self.waiting, self.running, self.waiting_for_grammar,
+            self.requests, self.planner, self.inflight, self.beams, self.transfer,
+            stat_loggers if stat_loggers is not None else [])
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -121,7 +119,7 @@ class Scheduler(Actor):
                     continue
             if self.inflight:  # the oldest step's output (a failed one rerun request by request)
                 step, out = await self.inflight.land(self._execute_isolated)
-                self._record_step(step.so, out, step.start)
+                self.recorder.record_step(step.so, out, step.start)
                 self.update_from_output(step.so, out)
 
     async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -154,7 +152,7 @@ class Scheduler(Actor):
         waiting ones that have produced nothing (a beam search keeps its grace)."""
         if msg.unstarted_only:
             ended = [r for r in [*self.waiting, *self.waiting_for_grammar.values()]
-                     if not r.output_token_ids and r.beam_group is None]
+                     if not r.output_token_ids and not self.beams.is_beam(r.request_id)]
         else:
             self.beams.abort_all(msg.reason)
             ended = list(self.requests.values())
@@ -167,7 +165,7 @@ class Scheduler(Actor):
         its client; the others carry on."""
         request = self.requests.get(request_id)
         message = f"{type(e).__name__}: {e}"
-        if request is not None and request.beam_group is not None:
+        if request is not None and self.beams.is_beam(request_id):
             self.beams.fail(request, RequestStatus.FINISHED_ERROR, message)
         elif request is not None:
             self._finish(request, RequestStatus.FINISHED_ERROR)
@@ -305,7 +303,7 @@ class Scheduler(Actor):
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.recorder.num_preemptions += 1
         self.waiting.prepend(request)
         log.debug("preempted", request_id=request.request_id)
 
@@ -329,19 +327,8 @@ class Scheduler(Actor):
         self.finished_req_ids = set()
         return so
 
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.spec_decode.num_draft_tokens
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self.spec_decode.num_accepted_tokens
-
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        self.num_steps += 1
-        self.spec_decode.draft_seconds += out.draft_seconds
-        self.spec_decode.verify_seconds += out.verify_seconds
-        self.num_computed_tokens_total += so.total_num_scheduled_tokens
+        self.recorder.record_update(so, out)
         now = time.monotonic()
         drop = self.transfer.update_from_output(so, out) if self.transfer is not None else ()
         for sr in so.scheduled:
@@ -367,12 +354,12 @@ class Scheduler(Actor):
         accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
         request.num_computed_tokens += len(sr.token_ids) + accepted
         if sr.spec_token_ids:
-            self.spec_decode.record(len(sr.spec_token_ids), accepted)
+            self.recorder.spec_decode.record(len(sr.spec_token_ids), accepted)
         if not new:
             return
         if request.first_token_time is None:
             request.first_token_time = now
-        if request.beam_group is not None:
+        if self.beams.is_beam(sr.req_id):
             self.beams.on_sampled(request, out.logprobs[sr.req_id][0])
             return
         status = None
@@ -406,7 +393,7 @@ class Scheduler(Actor):
                 self._fail_request(sr.req_id, RuntimeError("the model returned no pooled output"))
             return
         request.first_token_time = time.monotonic()
-        self.num_pooling_finished_total += 1
+        self.recorder.num_pooling_finished_total += 1
         self._finish(request, RequestStatus.FINISHED_STOPPED)
         request.output_queue.put_nowait(RequestOutput(
             [], "stop", num_cached_tokens=request.num_cached_tokens, pooled=pooled))
@@ -425,7 +412,24 @@ class Scheduler(Actor):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    # -- stats (actors/core/scheduler_stats.py: the step record and the GetStats reply) ----------
+    # -- stats (the recorder's: actors/core/scheduler_stats.py) ------------------------------
 
-    _record_step = record_step
-    stats = snapshot
+    def stats(self) -> StatsSnapshot:
+        """The ``GetStats`` reply."""
+        return self.recorder.snapshot()
+
+    @property
+    def num_steps(self) -> int:
+        return self.recorder.num_steps
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.recorder.num_preemptions
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.recorder.spec_decode.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.recorder.spec_decode.num_accepted_tokens

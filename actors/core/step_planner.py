@@ -51,6 +51,7 @@ class StepPlanner:
         self, config: SchedulerConfig, kv: KVCacheManager,
         waiting: FCFSRequestQueue | PriorityRequestQueue, running: RunningRequests,
         preempt: Callable[[Request], None], max_model_len: int,
+        is_beam: Callable[[str], bool],
     ):
         self.config = config
         self.kv = kv
@@ -58,7 +59,7 @@ class StepPlanner:
         self.running = running
         self.preempt = preempt
         spec = config.speculative
-        self.spec = make_proposer(spec, max_model_len) if spec is not None else None
+        self.spec = make_proposer(spec, max_model_len, is_beam) if spec is not None else None
         self.transfer: KVTransfer | None = None  # the scheduler's, with a KV connector
 
     def plan(self) -> list[ScheduledRequest]:

@@ -9,10 +9,18 @@ the LRU order of cached-but-unused blocks (evicted from the head).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from pagedserve.actors.kv.event_publisher import KVEventPublisher
+
+class BlockEvents(Protocol):
+    """What the pool tells whoever records its prefix-cache changes (``KVEventPublisher``,
+    ``actors/kv/event_publisher.py``, for the data-parallel router)."""
+
+    def stored(self, block_hash: bytes) -> None: ...
+
+    def removed(self, block_hash: bytes) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -100,7 +108,7 @@ class BlockPool:
         # Blocks held by more than one request (prefix-cache hits in use by several, beams
         # forked from one parent): kept up to date on every ref-count change, O(1) to read.
         self.num_shared_blocks = 0
-        self.kv_events: KVEventPublisher | None = None
+        self.kv_events: BlockEvents | None = None
         # vLLM reserves block 0 as its null block; ours only aliases block 0's id in the block
         # table (attention with a window never reads there), so it costs no block.
         self.null_block = KVCacheBlock(0, is_null=True)

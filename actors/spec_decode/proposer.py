@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 
 from pagedserve.actors.core.request import Request
 from pagedserve.actors.spec_decode.config import SpeculativeConfig, parse_speculative_config  # noqa: F401
@@ -36,11 +37,13 @@ from pagedserve.gpu.batch import ScheduledRequest
 class NgramProposer:
     """Drafts for the scheduler's decodes (vLLM's ``NgramProposer``, without the Numba)."""
 
-    __slots__ = ("config", "max_model_len", "seconds")
+    __slots__ = ("config", "max_model_len", "is_beam", "seconds")
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 is_beam: Callable[[str], bool]):
         self.config = config
         self.max_model_len = max_model_len
+        self.is_beam = is_beam  # the beam package's: a beam gets no drafts
         self.seconds = 0.0  # spent proposing (the draft time of the stats)
 
     def enabled(self, num_running: int) -> bool:
@@ -53,7 +56,7 @@ class NgramProposer:
         left after the decode itself), the output tokens still allowed and the context length;
         ``[]`` when nothing recurs or there is no room."""
         params = request.sampling_params
-        if request.beam_group is not None:  # a beam steps one token at a time, by its rules
+        if self.is_beam(request.request_id):  # a beam steps one token at a time, by its rules
             return []
         room = min(self.config.num_speculative_tokens, budget,
                    self.max_model_len - request.num_tokens - 1)
@@ -84,10 +87,11 @@ class DraftModelProposer(NgramProposer):
         return [] if request.structured_output is not None else [DRAFT_SLOT] * room
 
 
-def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramProposer:
+def make_proposer(config: SpeculativeConfig, max_model_len: int,
+                  is_beam: Callable[[str], bool]) -> NgramProposer:
     if config.method == "draft_model":
-        return DraftModelProposer(config, max_model_len)
-    return NgramProposer(config, max_model_len)
+        return DraftModelProposer(config, max_model_len, is_beam)
+    return NgramProposer(config, max_model_len, is_beam)
 
 
 def num_accepted(sr: ScheduledRequest, sampled: list[int] | None) -> int:

@@ -33,7 +33,7 @@ How a guided request flows, and why:
   an int32 bitmask on the CPU (``grammar_bitmask``); the batch carries it to the model runner,
   which applies it to the logits before sampling. A batch without guided requests builds
   nothing. Sampled tokens advance the matchers (``advance``); a terminated matcher finishes its
-  request with ``stop``.
+  request with ``stop`` (``actors/structured_output/step.py``).
 * **Preemption.** Matchers advance only on sampled tokens. Recompute preemption re-runs the
   forward pass over the request's known tokens without sampling them again, so the matcher,
   which has consumed exactly ``output_token_ids``, is already in the right state: nothing to
@@ -47,23 +47,18 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
-import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.actors.core.request import RequestStatus
 from pagedserve.actors.structured_output.config import StructuredOutputConfig  # noqa: F401
-from pagedserve.gpu.batch import ScheduledRequest
+from pagedserve.actors.structured_output.request import StructuredOutputRequest
 from pagedserve.gpu.sample.sampling_params import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from pagedserve.actors.core.request import Request
 
 log = structlog.get_logger(__name__)
 
@@ -283,99 +278,3 @@ class CompiledConstraint:
     def new_request(self) -> StructuredOutputRequest:
         """Grammar state for one more request (its own matcher over this grammar)."""
         return StructuredOutputRequest(self.future)
-
-
-class StructuredOutputRequest:
-    """One request's grammar state: the compile future, then its matcher (scheduler-owned)."""
-
-    __slots__ = ("_future", "_matcher")
-
-    def __init__(self, future: Future[xgr.CompiledGrammar]):
-        self._future = future
-        self._matcher: xgr.GrammarMatcher | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self._future.done()
-
-    @property
-    def error(self) -> str | None:
-        """Why the compile failed, once it is done; ``None`` when it succeeded."""
-        e = self._future.exception() if self._future.done() else None
-        return None if e is None else str(e)
-
-    def notify_when_ready(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]):
-        """Call ``callback`` on ``loop`` once the compile ends (it may end on a pool thread)."""
-        self._future.add_done_callback(lambda _: loop.call_soon_threadsafe(callback))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._future.result().tokenizer_info.vocab_size
-
-    @property
-    def matcher(self) -> xgr.GrammarMatcher:
-        if self._matcher is None:
-            self._matcher = xgr.GrammarMatcher(self._future.result())
-        return self._matcher
-
-
-def grammar_bitmask(
-    scheduled: list[ScheduledRequest], requests: dict[str, Request]
-) -> tuple[torch.Tensor | None, dict[str, int]]:
-    """The batch's bitmask: one row per guided request that samples this step (``k + 1``
-    consecutive rows for one with ``k`` drafts: the grammar's state after each draft), and the
-    first row of each request id. ``(None, {})`` when there is none (unguided batches build
-    nothing)."""
-    guided = [(sr, so) for sr in scheduled
-              if sr.sample and (so := requests[sr.req_id].structured_output) is not None]
-    if not guided:
-        return None, {}
-    num_rows = sum(len(sr.spec_token_ids) + 1 for sr, _ in guided)
-    bitmask = xgr.allocate_token_bitmask(num_rows, guided[0][1].vocab_size)
-    first: dict[str, int] = {}
-    row = 0
-    for sr, so in guided:
-        first[sr.req_id] = row
-        _fill_rows(so.matcher, bitmask, row, sr.spec_token_ids)
-        row += len(sr.spec_token_ids) + 1
-    return bitmask, first
-
-
-def _fill_rows(matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, row: int,
-               drafts: list[int]) -> None:
-    """Rows ``row .. row + len(drafts)``: the mask now and after each draft (speculative
-    decoding; vLLM's ``StructuredOutputManager.grammar_bitmask`` does the same), then roll the
-    matcher back. Past a draft the grammar refuses (or one that completes it) the rows stay
-    all-allowed: the refused draft is masked in the row before, so it is rejected there and
-    the later rows are never used."""
-    matcher.fill_next_token_bitmask(bitmask, row)
-    advanced = 0
-    for j, token in enumerate(drafts, start=1):
-        if matcher.is_terminated() or not matcher.accept_token(token):
-            break
-        advanced += 1
-        if matcher.is_terminated():
-            break
-        matcher.fill_next_token_bitmask(bitmask, row + j)
-    if advanced:
-        matcher.rollback(advanced)
-
-
-def advance(request: Request, new_token_ids: list[int]) -> RequestStatus | None:
-    """Feed a guided request's sampled tokens to its matcher.
-
-    Returns ``FINISHED_STOPPED`` when the grammar is complete (the matcher accepted a stop
-    token), ``FINISHED_ERROR`` if a token was refused (cannot happen with the bitmask applied),
-    else ``None``. Unguided requests: ``None``.
-    """
-    so = request.structured_output
-    if so is None:
-        return None
-    matcher = so.matcher
-    for token in new_token_ids:
-        if not matcher.accept_token(token):
-            log.error("grammar_rejected_token", request_id=request.request_id, token=token)
-            return RequestStatus.FINISHED_ERROR
-        if matcher.is_terminated():
-            return RequestStatus.FINISHED_STOPPED
-    return None

@@ -21,7 +21,7 @@ from pagedserve.actors.core.scheduler import Scheduler
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import GrammarReady
 from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
-from pagedserve.actors.structured_output.manager import StructuredOutputRequest
+from pagedserve.actors.structured_output.request import StructuredOutputRequest
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 

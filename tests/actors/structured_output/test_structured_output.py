@@ -15,9 +15,9 @@ import xgrammar as xgr
 
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.errors import EngineError
+from pagedserve.actors.structured_output.config import StructuredOutputConfig
 from pagedserve.actors.structured_output.manager import (
     GrammarError,
-    StructuredOutputConfig,
     StructuredOutputManager,
     cache_key,
     check_json_schema,
