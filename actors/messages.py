@@ -1,4 +1,5 @@
-"""Messages between the request tasks, the scheduler actor and the executor actor."""
+"""Messages between the request tasks, the scheduler actor and the executor actor: one union
+per actor's mailbox (``SchedulerMessage``, ``ExecutorMessage``)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,9 @@ class ExecuteModel:
 
     scheduler_output: SchedulerOutput
     reply: asyncio.Future[ModelRunnerOutput]
+
+
+# What each actor's mailbox takes (``Actor[M]``); the scheduler matches on every member.
+SchedulerMessage = (AddRequest | AbortRequest | GrammarReady | AbortAll | GetStats
+                    | NotifyWhenIdle | ResetPrefixCache)
+ExecutorMessage = ExecuteModel

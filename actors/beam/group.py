@@ -45,7 +45,7 @@ from pagedserve.actors.core.request_queue import (
 from pagedserve.actors.engine.request_stream import RequestMetrics
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
-from pagedserve.actors.messages import AbortRequest
+from pagedserve.actors.messages import AbortRequest, SchedulerMessage
 from pagedserve.gpu.batch import ScheduledRequest
 from pagedserve.gpu.sample.sampler import TokenLogprobs
 
@@ -244,7 +244,8 @@ class BeamSearchStream:
 
     __slots__ = ("request_id", "_scheduler", "_request", "_metrics", "_done")
 
-    def __init__(self, scheduler: Actor, request: Request, metrics: RequestMetrics):
+    def __init__(self, scheduler: Actor[SchedulerMessage], request: Request,
+                 metrics: RequestMetrics):
         self.request_id = request.request_id
         self._scheduler = scheduler
         self._request = request

@@ -47,7 +47,7 @@ from pagedserve.actors.core.request import Request, RequestStatus
 from pagedserve.actors.core.request_queue import RunningRequests
 from pagedserve.actors.core.step_planner import StepPlanner
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
-from pagedserve.actors.messages import ExecuteModel
+from pagedserve.actors.messages import ExecuteModel, ExecutorMessage
 from pagedserve.gpu.batch import PREV_SAMPLED, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -103,7 +103,7 @@ class InFlight:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, planner: StepPlanner,
-                 requests: dict[str, Request], executor: Actor, depth: int,
+                 requests: dict[str, Request], executor: Actor[ExecutorMessage], depth: int,
                  schedule_ahead: bool, max_model_len: int, sync_only: Callable[[], bool],
                  is_beam: Callable[[str], bool]):
         self.config = config

@@ -1,7 +1,8 @@
 """Request state as the scheduler sees it (vLLM V1's ``vllm/v1/request.py``, trimmed).
 
 A leaf of the engine: it imports the device side's parameter types and one feature's state
-type (``StructuredOutputRequest``, itself a leaf), nothing that imports it back. Which beam
+type (``StructuredOutputRequest``) and the block-hash type, both leaves: nothing that imports
+it back. Which beam
 search a request is a beam of is the beam package's to know (``BeamScheduler.group_of``)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedserve.gpu.sample.sampler import TokenLogprobs
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # a leaf of the feature's package: it imports nothing of ours
+    from pagedserve.actors.kv.hashing import BlockHash
     from pagedserve.actors.structured_output.request import StructuredOutputRequest
 
 
@@ -39,7 +41,7 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
-FINISH_REASONS = {
+FINISH_REASONS: dict[RequestStatus | None, str] = {  # .get(None): None, still running
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -93,7 +95,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     first_token_time: float | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # one per full block, chained
+    block_hashes: list[BlockHash] = field(default_factory=list)  # one per full block, chained
     scheduled_time: float | None = None  # first time it was in a step (for queue time)
     structured_output: StructuredOutputRequest | None = None  # guided decoding state
     # With sampling_params.prompt_logprobs: prompt tokens 1.. as the prefill computed them.

@@ -18,6 +18,7 @@ Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its co
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from typing import Any
 
@@ -40,10 +41,12 @@ from pagedserve.actors.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
+    ExecutorMessage,
     GetStats,
     GrammarReady,
     NotifyWhenIdle,
     ResetPrefixCache,
+    SchedulerMessage,
 )
 from pagedserve.actors.spec_decode.proposer import num_accepted
 from pagedserve.actors.stats import StatLogger, StatsSnapshot
@@ -51,14 +54,20 @@ from pagedserve.actors.structured_output.step import advance, grammar_bitmask
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.kv_connector.base import KVConnectorScheduler
 
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # Python 3.10
+    from typing_extensions import assert_never
+
 log = structlog.get_logger(__name__)
 
 
-class Scheduler(Actor):
+class Scheduler(Actor[SchedulerMessage]):
     name = "scheduler"
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, executor: Actor,
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+        executor: Actor[ExecutorMessage],
         max_model_len: int, stat_loggers: list[StatLogger] | None = None,
         kv_connector: KVConnectorScheduler | None = None,
     ):
@@ -205,25 +214,26 @@ class Scheduler(Actor):
         while not self.mailbox.empty():
             self._handle(self.mailbox.get_nowait())
 
-    def _handle(self, msg: Any) -> None:
-        if isinstance(msg, AddRequest):
-            self._on_add(msg)
-        elif isinstance(msg, AbortRequest):
-            self.abort_request(msg.request_id)
-        elif isinstance(msg, GrammarReady):
-            self._grammar_ready(msg.request_id)
-        elif isinstance(msg, AbortAll):
-            self._abort_all(msg)
-        elif isinstance(msg, GetStats):
-            if not msg.reply.done():
-                msg.reply.set_result(self.stats())
-        elif isinstance(msg, NotifyWhenIdle):
-            self.idle_waiters.append(msg.reply)  # answered at the top of the loop, once idle
-        elif isinstance(msg, ResetPrefixCache):
-            if not msg.reply.done():
-                msg.reply.set_result(self.kv.reset_prefix_cache())
-        else:
-            raise TypeError(f"scheduler got an unknown message {msg!r}")
+    def _handle(self, msg: SchedulerMessage) -> None:
+        match msg:
+            case AddRequest():
+                self._on_add(msg)
+            case AbortRequest(request_id=request_id):
+                self.abort_request(request_id)
+            case GrammarReady(request_id=request_id):
+                self._grammar_ready(request_id)
+            case AbortAll():
+                self._abort_all(msg)
+            case GetStats(reply=reply):
+                if not reply.done():
+                    reply.set_result(self.stats())
+            case NotifyWhenIdle(reply=reply):
+                self.idle_waiters.append(reply)  # answered at the top of the loop, once idle
+            case ResetPrefixCache(reply=reply):
+                if not reply.done():
+                    reply.set_result(self.kv.reset_prefix_cache())
+            case _:
+                assert_never(msg)
 
     # -- requests in and out ----------------------------------------------------------------
 

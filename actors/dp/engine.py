@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -51,7 +52,7 @@ class DataParallelEngine(EngineClient):
     policy: the routing policy (``DPRouter``).
     """
 
-    def __init__(self, engines: list[EngineReplica], policy: str = "prefix"):
+    def __init__(self, engines: Sequence[EngineReplica], policy: str = "prefix"):
         if not engines:
             raise ValueError("a data-parallel group needs at least one engine")
         self.engines = engines

@@ -21,6 +21,7 @@ SIGKILL after ``STOP_TIMEOUT_S``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -142,9 +143,8 @@ async def start_engine_processes(config: EngineConfig, dp: DataParallelConfig,
                                       if folder else asyncio.sleep(0))
     try:
         local = await spawn_local(config, dp, hub.address, log_level)
-        for engine in local:
-            engine.exited.add_done_callback(
-                lambda _, e=engine: hub.lose(e.rank, e.exit_reason()))
+        for local_engine in local:
+            local_engine.exited.add_done_callback(functools.partial(_lost, hub, local_engine))
         registered = await hub.wait_for_engines(dp.data_parallel_size)
         if not folder:
             tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, config))
@@ -158,10 +158,15 @@ async def start_engine_processes(config: EngineConfig, dp: DataParallelConfig,
     clients = [EngineCoreClient(hub, registered[i], config, tokenizer.result(),
                                 by_rank[i].stop if i in by_rank else None)
                for i in range(dp.data_parallel_size)]
-    engine = DataParallelEngine(clients, dp.data_parallel_routing)
+    group = DataParallelEngine(clients, dp.data_parallel_routing)
     log.info("data_parallel_ready", size=dp.data_parallel_size, routing=dp.data_parallel_routing,
              local_ranks=list(dp.local_ranks))
-    return engine
+    return group
+
+
+def _lost(hub: EngineCoreHub, engine: LocalEngine, _: object) -> None:
+    """A local engine's process exited: the hub fails what it held."""
+    hub.lose(engine.rank, engine.exit_reason())
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -184,9 +189,9 @@ async def run_headless(config: EngineConfig, dp: DataParallelConfig,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     all_exited = asyncio.gather(*(asyncio.shield(e.exited) for e in engines))
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait()), all_exited]
     try:
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), all_exited],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         await asyncio.gather(*(e.stop(signal.SIGTERM) for e in engines))
         log.info("headless_stopped", exits=[e.proc.returncode for e in engines])

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from transformers import PreTrainedTokenizerBase
@@ -53,6 +53,9 @@ from pagedserve.gpu.pooling.pooling_params import PoolingParams
 from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops
 
+if TYPE_CHECKING:
+    from pagedserve.actors.executor.multiproc import MultiprocExecutor
+
 log = structlog.get_logger(__name__)
 
 
@@ -74,7 +77,8 @@ class AsyncEngine(EngineReplica):
 
     def __init__(
         self, config: EngineConfig, info: ModelInfo, tokenizer: PreTrainedTokenizerBase,
-        scheduler: Scheduler, executor: Executor, stat_loggers: list[StatLogger],
+        scheduler: Scheduler, executor: Executor | MultiprocExecutor,
+        stat_loggers: list[StatLogger],
         structured_output: StructuredOutputManager,
     ):
         self.config = config
@@ -95,8 +99,9 @@ class AsyncEngine(EngineReplica):
             ValueError: settings that cannot work (e.g. ``max_model_len`` beyond the KV cache).
         """
         spec = config.scheduler.speculative
-        draft = (DraftModelConfig(spec.model, spec.num_speculative_tokens)
-                 if spec is not None and spec.method == "draft_model" else None)
+        draft = (DraftModelConfig(spec.model, spec.num_speculative_tokens)  # model: checked
+                 if spec is not None and spec.method == "draft_model" and spec.model is not None
+                 else None)
         executor = await make_executor(config.model, config.cache, config.parallel,
                                        config.scheduler.max_num_batched_tokens,
                                        config.scheduler.max_num_seqs, draft)
@@ -108,9 +113,9 @@ class AsyncEngine(EngineReplica):
             raise
 
     @classmethod
-    async def _start_actors(cls, config: EngineConfig, executor: Executor,
+    async def _start_actors(cls, config: EngineConfig, executor: Executor | MultiprocExecutor,
                             info: ModelInfo) -> AsyncEngine:
-        tokenizer = await asyncio.to_thread(loader.load_tokenizer, info.path)
+        tokenizer = await asyncio.to_thread(loader.load_tokenizer, Path(info.path))
         capacity = info.num_blocks * info.block_size
         needed = longest_resident_tokens(info.max_model_len, info.block_size,
                                          info.kv_sliding_window,

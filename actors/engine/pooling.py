@@ -22,7 +22,7 @@ from pagedserve.actors.actor import Actor
 from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.core.request import Request, RequestOutput
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.messages import AbortRequest, AddRequest
+from pagedserve.actors.messages import AbortRequest, AddRequest, SchedulerMessage
 from pagedserve.actors.stats import RequestUpdate, StatLogger
 from pagedserve.gpu.model_runner import ModelInfo
 from pagedserve.gpu.pooling.pooling_params import PoolingParams, PoolingType
@@ -73,7 +73,7 @@ def _engine_params(params: PoolingParams, info: ModelInfo) -> PoolingParams:
 
 
 async def run_pooling(
-    scheduler: Actor, info: ModelInfo, stat_loggers: list[StatLogger], request_id: str,
+    scheduler: Actor[SchedulerMessage], info: ModelInfo, stat_loggers: list[StatLogger], request_id: str,
     prompt_token_ids: list[int], params: PoolingParams, priority: int = 0,
     cache_salt: str | None = None,
 ) -> PoolingOutput:

@@ -27,7 +27,7 @@ from pagedserve.actors.core.request import Request, RequestOutput
 from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.actors.engine.protocol import BeamSearchHandle, DeltaStream, GenerationDelta
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.messages import AbortRequest
+from pagedserve.actors.messages import AbortRequest, SchedulerMessage
 from pagedserve.actors.stats import FinishedRequest, RequestUpdate, StatLogger
 
 
@@ -101,7 +101,8 @@ class RequestStream:
     __slots__ = ("request_id", "state", "_scheduler", "_request", "_detok", "_metrics",
                  "_num_output")
 
-    def __init__(self, scheduler: Actor, request: Request, detok: IncrementalDetokenizer,
+    def __init__(self, scheduler: Actor[SchedulerMessage], request: Request,
+                 detok: IncrementalDetokenizer,
                  metrics: RequestMetrics):
         self.request_id = request.request_id
         self.state = StreamState.LIVE

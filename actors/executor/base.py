@@ -12,18 +12,22 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.errors import EngineDeadError
-from pagedserve.actors.messages import ExecuteModel
+from pagedserve.actors.messages import ExecuteModel, ExecutorMessage
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
 from pagedserve.gpu.parallel.gguf_shard import gguf_split_problem
 from pagedserve.gpu.parallel.layout import check_layout
 
+if TYPE_CHECKING:
+    from pagedserve.actors.executor.multiproc import MultiprocExecutor
 
-class Executor(Actor):
+
+class Executor(Actor[ExecutorMessage]):
     name = "executor"
     fills_prev_sampled = True  # the runner takes PREV_SAMPLED from its last step
 
@@ -66,15 +70,16 @@ def _answer(reply: asyncio.Future, step: asyncio.Future) -> None:
         return
     if step.cancelled():
         reply.cancel()
-    elif step.exception() is not None:
-        reply.set_exception(step.exception())
+    elif (error := step.exception()) is not None:
+        reply.set_exception(error)
     else:
         reply.set_result(step.result())
 
 
 async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
                         max_num_batched_tokens: int, max_num_seqs: int,
-                        draft: DraftModelConfig | None = None) -> Actor:
+                        draft: DraftModelConfig | None = None,
+                        ) -> Executor | MultiprocExecutor:
     """The executor for ``parallel``: in this process for one rank, else worker processes
     (``mp``) or Ray actors (``ray``), after checking the model splits that way. ``draft``: the
     speculative draft model (one rank only).
@@ -93,8 +98,8 @@ async def make_executor(model: ModelConfig, cache: CacheConfig, parallel: Parall
                          "method ngram with --tensor-parallel-size/--pipeline-parallel-size")
     resolved = await asyncio.to_thread(loader.resolve_model, model.model)
     config = await asyncio.to_thread(loader.load_config, resolved.path)
-    if (resolved.gguf_file is not None and getattr(config, "num_experts", 0)
-            and parallel.tensor_parallel_size > 1):
+    num_experts: int = getattr(config, "num_experts", 0)
+    if resolved.gguf_file is not None and num_experts and parallel.tensor_parallel_size > 1:
         raise ValueError("a GGUF mixture of experts splits over pipeline stages only: its 3-D "
                          "expert tensors are not split across tensor-parallel ranks; use "
                          "--pipeline-parallel-size without --tensor-parallel-size, or serve "

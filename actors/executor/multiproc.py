@@ -25,11 +25,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 import structlog
 
 from pagedserve.actors.actor import Actor
-from pagedserve.actors.messages import ExecuteModel
+from pagedserve.actors.messages import ExecuteModel, ExecutorMessage
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.cpu.threads import cpu_threads
@@ -77,7 +78,7 @@ def merge_infos(replies: list[tuple[ModelInfo, dict]]) -> ModelInfo:
         parallel_layout=[lay for _, lay in replies])
 
 
-class MultiprocExecutor(Actor):
+class MultiprocExecutor(Actor[ExecutorMessage]):
     """``Executor``'s interface (``load``, the step loop, ``stop``) over spawned workers.
 
     ``failure``: why the workers are gone, once they are; ``dead`` is set then.
@@ -124,7 +125,7 @@ class MultiprocExecutor(Actor):
         self._send(("load",))
         replies = self._wait({w.rank for w in self.workers})
         info = merge_infos([replies[w.rank] for w in self.workers])
-        for lay in info.parallel_layout:
+        for lay in info.parallel_layout or ():
             log.info("parallel_rank", **lay)
         return info
 
@@ -139,8 +140,8 @@ class MultiprocExecutor(Actor):
     def _wait(self, ranks: set[int]) -> dict:
         """The replies of ``ranks``; raises ``WorkerFailed`` when any worker errs or exits."""
         results: dict = {}
-        by_conn = {w.conn: w for w in self.workers}
-        by_sentinel = {w.process.sentinel: w for w in self.workers}
+        by_conn: dict[Any, WorkerHandle] = {w.conn: w for w in self.workers}
+        by_sentinel: dict[Any, WorkerHandle] = {w.process.sentinel: w for w in self.workers}
         while ranks - results.keys():
             for ready in wait([*by_conn, *by_sentinel]):
                 w = by_conn.get(ready)

@@ -71,7 +71,7 @@ class RayExecutor(MultiprocExecutor):
         self._get([a.init.remote(init_method) for a in self.actors])
         replies = self._get([a.load.remote() for a in self.actors])
         info = merge_infos(replies)
-        for lay in info.parallel_layout:
+        for lay in info.parallel_layout or ():
             log.info("parallel_rank", backend="ray", **lay)
         return info
 

@@ -81,8 +81,8 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.window is not None:
-            hits = self.window.longest_hit(request.block_hashes[:max_blocks])
-            return hits, len(hits) * self.block_size
+            window_hits = self.window.longest_hit(request.block_hashes[:max_blocks])
+            return window_hits, len(window_hits) * self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
