@@ -1,5 +1,5 @@
 """Device check, the timing half: Triton kernels against their memory floors, and a short
-serving benchmark, on CUDA. Driven by ``loadtest/device_check.sh``; see README.
+serving benchmark, on CUDA. Driven by ``loadtest/device_check.sh``; see docs/testing.md.
 
     python loadtest/device_check.py kernels   # copy bandwidth, then each kernel vs its floor
     python loadtest/device_check.py serve     # 64 concurrent requests; decode step vs floor

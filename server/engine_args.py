@@ -25,10 +25,10 @@ not be turned off). Other metadata keys:
     an environment variable whose value, when set, is the default (read when the parser is
     built).
 ``default_text``
-    how ``--help`` and the README show a default that is not a plain value ("the model's").
+    how ``--help`` and the docs show a default that is not a plain value ("the model's").
 
-``--help`` ends every flag's help with ``(default: X)``; the README's flag table shows the same
-``X`` (``tests/server/test_cli.py`` holds them equal).
+``--help`` ends every flag's help with ``(default: X)``; the docs' flag table (docs/serving.md)
+shows the same ``X`` (``tests/server/test_cli.py`` holds them equal).
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""The README's commands as written. Its first example, the curl command (only the address
-changed), against ``pagedserve serve`` at the default flags, what ``make serve`` runs, answers
-"Paris" on every CPU tier this CPU can run (``PAGEDSERVE_CPU_ISA`` caps the tier; the default
-dtype and linear mode follow the tier, so each tier is its own arithmetic). Every
-``pagedserve ...`` command it shows parses, the ``pagedserve`` it names is where ``make``
-puts it, and its table of supported architectures is what the code serves."""
+"""The README's and the documentation pages' commands as written, and the site's build.
+
+The README's first example, the curl command (only the address changed), against
+``pagedserve serve`` at the default flags, what ``make serve`` runs, answers "Paris" on every CPU
+tier this CPU can run (``PAGEDSERVE_CPU_ISA`` caps the tier; the default dtype and linear mode
+follow the tier, so each tier is its own arithmetic). Every request example of the README and
+the pages (docs/, in the site's order) runs against that server, every ``pagedserve ...``
+command they show parses, the ``pagedserve`` the README names is where ``make`` puts it, the
+table of supported architectures (docs/models.md) is what the code serves, the README stays
+one page, and ``mkdocs build --strict`` builds the site with no warning."""
 
 from __future__ import annotations
 
@@ -22,22 +26,35 @@ import pytest
 from pagedserve.kernels import cpu_isa
 from pagedserve.server.launch import start_server_process
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 README_URL = "http://127.0.0.1:8000"
 
 
-def readme_blocks(lang: str) -> list[str]:
-    """The README's fenced code blocks of language ``lang`` (``""``: no language), in order."""
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", README.read_text(encoding="utf-8"),
-                        re.M | re.S)
-    return [body for block_lang, body in blocks if block_lang == lang]
+def pages() -> list[Path]:
+    """The README, then the site's pages in its navigation's order (mkdocs.yml's ``nav``)."""
+    nav = re.findall(r"^  - [^:]+: (\S+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    return [README, *(DOCS / name for name in nav)]
+
+
+def doc_blocks(lang: str) -> list[str]:
+    """The fenced code blocks of language ``lang`` (``""``: no language) of every page, in
+    order; a block shown twice (the README's first request, again on the getting-started
+    page) counts once."""
+    out: list[str] = []
+    for page in pages():
+        blocks = re.findall(r"^```(\w*)\n(.*?)^```$", page.read_text(encoding="utf-8"),
+                            re.M | re.S)
+        out += [body for block_lang, body in blocks if block_lang == lang and body not in out]
+    return out
 
 
 def pagedserve_commands() -> list[list[str]]:
-    """Every ``pagedserve ...`` command line of the README's shell blocks as argv, from
+    """Every ``pagedserve ...`` command line of the pages' shell blocks as argv, from
     ``pagedserve`` on (line continuations joined, comments and ``VAR=value`` prefixes dropped)."""
     commands = []
-    for block in readme_blocks("bash") + readme_blocks(""):
+    for block in doc_blocks("bash") + doc_blocks(""):
         for line in block.replace("\\\n", " ").splitlines():
             if re.match(r"(?:[A-Z_]+=\S*\s+)*pagedserve\s", line):
                 argv = shlex.split(line, comments=True)
@@ -46,19 +63,19 @@ def pagedserve_commands() -> list[list[str]]:
 
 
 def curls() -> list[list[str]]:
-    """Every curl command of the README's bash blocks as argv (continuations joined; a
+    """Every curl command of the pages' bash blocks as argv (continuations joined; a
     command's JSON may span lines inside its quotes), in order."""
     out = []
-    for block in readme_blocks("bash"):
+    for block in doc_blocks("bash"):
         for part in re.split(r"^(?=curl )", block.replace("\\\n", " "), flags=re.M)[1:]:
             out.append(shlex.split(part, comments=True))
     return out
 
 
-def readme_table(heading: str) -> list[list[str]]:
-    """The body rows of the first table after the README's line ``heading``, each a list of
+def page_table(page: Path, heading: str) -> list[list[str]]:
+    """The body rows of the first table after the line ``heading`` of ``page``, each a list of
     its cells as written (no cell here holds a ``|``)."""
-    section = README.read_text(encoding="utf-8").split(f"\n{heading}\n", 1)[1]
+    section = page.read_text(encoding="utf-8").split(f"\n{heading}\n", 1)[1]
     table = re.search(r"^(?:\|.*\n)+", section, re.M)
     assert table, f"no table under {heading!r}"
     rows = [line.strip().strip("|").split("|") for line in table.group(0).splitlines()]
@@ -130,7 +147,7 @@ def default_server(tmp_path_factory):
 
 
 def test_every_readme_request_example_runs_as_written_and_is_bounded(default_server):
-    """The README's curls against the default server (the KV-connector ones need two servers
+    """The pages' curls against the default server (the KV-connector ones need two servers
     and a connector: tests/server/test_kv_connector.py), and its Python snippet, each with a
     length limit, each answered; ``resp_...`` is the id the curl before it got. Its Python
     snippets: the openai client's, the Agents SDK's and the anthropic client's."""
@@ -156,13 +173,13 @@ def test_every_readme_request_example_runs_as_written_and_is_bounded(default_ser
     assert call["function"]["name"] == "get_weather"
     assert "Paris" in json.loads(call["function"]["arguments"])["city"]
 
-    snippets = readme_blocks("python")
+    snippets = doc_blocks("python")
     client_snippet, agents_snippet, messages_snippet = (
         next(s for s in snippets if marker in s)
         for marker in ("from openai import OpenAI", "from agents import", "import anthropic"))
     assert all("max_tokens=" in s for s in (client_snippet, agents_snippet, messages_snippet))
     scope: dict = {}
-    exec(client_snippet.replace(README_URL, default_server), scope)  # noqa: S102 (our README)
+    exec(client_snippet.replace(README_URL, default_server), scope)  # noqa: S102 (our docs)
     assert scope["r"].choices[0].message.content
     # Anthropic's client on /v1/messages, the Agents SDK's question: the same answer.
     exec(messages_snippet.replace(README_URL, default_server), scope)  # noqa: S102
@@ -205,10 +222,34 @@ def test_the_supported_architectures_table_lists_what_the_registry_serves():
     from pagedserve.gpu import gguf_file
     from pagedserve.gpu.models import registry
 
-    rows = readme_table("### Supported architectures")
+    rows = page_table(DOCS / "models.md", "## Supported architectures")
 
     def named(column: int) -> list[str]:
         return [name for row in rows for name in re.findall(r"`([^`]+)`", row[column])]
 
     assert sorted(named(1)) == sorted(registry.ARCHITECTURES)
     assert set(named(2)) == set(gguf_file.READ_ARCHS)
+
+
+def test_the_readme_is_one_page_and_points_to_the_docs():
+    """What a newcomer needs on one screen or two; every page of the site is linked from it."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    assert "make serve" in text and "make test" in text and "make docs" in text
+    for page in pages()[1:]:
+        assert f"(docs/{page.name})" in text, page.name
+
+
+def test_the_site_builds_with_no_warning(tmp_path):
+    """``mkdocs build --strict`` (what ``make docs`` runs): a broken link or anchor, a page
+    left out of the navigation or an unknown extension fails it. Offline: nothing is fetched."""
+    pytest.importorskip("mkdocs", reason="make docs (and make test) install mkdocs into .venv")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                        str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING" not in r.stderr, r.stderr
+    assert {p.name for p in pages()[1:]} == {p.name for p in DOCS.glob("*.md")}
+    for page in pages()[1:]:
+        built = tmp_path / "site" / ("" if page.stem == "index" else page.stem) / "index.html"
+        assert built.exists(), built

@@ -91,3 +91,19 @@ def test_make_announces_each_install_phase(tmp_path: Path) -> None:
         assert phase.startswith('echo "== [') and "/3] " in phase
     assert out[-1] == ".venv/bin/pagedserve serve "
     assert any("source .venv/bin/activate" in line for line in out[installs[-1]:])
+
+
+def test_make_docs_installs_the_pinned_tools_and_builds_strict(tmp_path: Path) -> None:
+    """``make docs`` puts docs/requirements.txt's pins into .venv (creating it if missing),
+    then builds with ``--strict``: any warning fails it. Read from ``make -n``."""
+    for name in ("Makefile", "pyproject.toml", "mkdocs.yml"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "requirements.txt", tmp_path / "docs")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "-n", "docs"], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, env=env).stdout.splitlines()
+    assert any(" -m pip install " in line and "-r docs/requirements.txt" in line for line in out)
+    assert out[-1] == ".venv/bin/mkdocs build --strict"
+    pins = (ROOT / "docs" / "requirements.txt").read_text().split()
+    assert "mkdocs==1.6.1" in pins and any(p.startswith("mkdocs-material==") for p in pins)

@@ -226,8 +226,8 @@ async def _status(client, method: str, path: str, body: dict | None, headers: di
 
 
 async def test_api_key_guards_every_route_but_probes_and_pages(tiny_model_dir):
-    """The README's ``--api-key`` row, route by route: probes, pages and the API's schema
-    answer without the key, the admin routes take it (no --admin-key), the rest need it; and
+    """The ``--api-key`` row of docs/serving.md, route by route: probes, pages and the API's
+    schema answer without the key, the admin routes take it (no --admin-key), the rest need it; and
     the table covers every route /openapi.json lists."""
     async with serve(tiny_model_dir, serving=ServingConfig(TINY_NAME, api_key=KEY)) as client:
         got = [(m, p, await _status(client, m, p, b, {}), await _status(client, m, p, b, AUTH))
