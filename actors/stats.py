@@ -16,7 +16,8 @@ Live snapshots are typed too (the split of vLLM's ``vllm/v1/metrics/stats.py``):
 scheduler's ``GetStats`` reply is a ``StatsSnapshot`` (``SchedulerStats``, ``KVCacheStats``,
 the recent ``StepStats``, a ``Throughput``), built in the actor's own task from plain values;
 ``AsyncEngine.get_stats`` adds the model and the settings (``EngineStats``). Values are raw
-(seconds, fractions); rounding and JSON keys belong to the HTTP edge (``server/admin/stats_json.py``).
+(seconds, fractions); rounding and JSON keys belong to the HTTP edge
+(``server/admin/stats_json.py``).
 """
 
 from __future__ import annotations

@@ -205,12 +205,13 @@ class BeamScheduler:
         """Tell the runner the tokens of forked beams it meets for the first time."""
         if not self.unseen_prefix:
             return
-        for sr in scheduled:
-            if sr.req_id in self.unseen_prefix:
-                self.unseen_prefix.discard(sr.req_id)
-                if sr.prefix_token_ids is None and sr.num_computed_tokens:
-                    tokens = self.requests[sr.req_id].all_token_ids
-                    sr.prefix_token_ids = tokens[: sr.num_computed_tokens]
+        for scheduled_request in scheduled:
+            req_id, computed = scheduled_request.req_id, scheduled_request.num_computed_tokens
+            if req_id in self.unseen_prefix:
+                self.unseen_prefix.discard(req_id)
+                if scheduled_request.prefix_token_ids is None and computed:
+                    tokens = self.requests[req_id].all_token_ids
+                    scheduled_request.prefix_token_ids = tokens[:computed]
 
     # -- ends that are not the search's own -----------------------------------------------
 
@@ -255,19 +256,20 @@ class BeamSearchStream:
     async def result(self) -> BeamSearchOutput:
         """The best hypotheses. Raises ``EngineShuttingDown`` / ``EngineError``."""
         try:
-            out = await self._request.output_queue.get()
+            request_output = await self._request.output_queue.get()
         except BaseException:
             self.close()
             raise
         self._done = True
-        if isinstance(out, RequestOutput):
-            self._metrics.finished(self._request, out.finish_reason)
-            if out.finish_reason == "abort":
-                raise EngineShuttingDown(out.error or "request aborted by the server")
-            raise EngineError(out.error or "request failed")
-        self._metrics.tokens(self._request, sum(len(h.token_ids) for h in out.hypotheses))
-        self._metrics.finished(self._request, out.finish_reasons[0])
-        return out
+        if isinstance(request_output, RequestOutput):
+            self._metrics.finished(self._request, request_output.finish_reason)
+            if request_output.finish_reason == "abort":
+                raise EngineShuttingDown(request_output.error or "request aborted by the server")
+            raise EngineError(request_output.error or "request failed")
+        num_tokens = sum(len(h.token_ids) for h in request_output.hypotheses)
+        self._metrics.tokens(self._request, num_tokens)
+        self._metrics.finished(self._request, request_output.finish_reasons[0])
+        return request_output
 
     def close(self) -> None:
         if not self._done:

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.core.request import Request, RequestStatus
 from pagedserve.actors.core.request_queue import RunningRequests
 from pagedserve.actors.core.step_planner import StepPlanner
+from pagedserve.actors.errors import EngineDeadError
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.messages import ExecuteModel, ExecutorMessage
 from pagedserve.gpu.batch import PREV_SAMPLED, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -60,7 +61,7 @@ class InFlightStep:
     """A step sent to the executor: its batch, the reply to come, when scheduling began
     (once landed: when the executor could begin it, after the step before it landed)."""
 
-    so: SchedulerOutput
+    scheduler_output: SchedulerOutput
     reply: asyncio.Future[ModelRunnerOutput]
     start: float
 
@@ -152,7 +153,7 @@ class InFlight:
             visible = [r for r in self.planner.running if r not in hidden][:lane]
             hidden |= {r for r in self.planner.running if r not in visible}
             seats = min(seats, lane)
-        budget -= sum(sr.num_step_tokens for sr in ahead)
+        budget -= sum(scheduled_request.num_step_tokens for scheduled_request in ahead)
         if budget <= 0 or seats <= 0:
             return ahead
         return ahead + self._plan_around(hidden, budget, seats)
@@ -163,41 +164,43 @@ class InFlight:
         ``PREV_SAMPLED`` as its input; after a prefill chunk, the next chunk. One whose blocks
         are short waits for the output instead (nobody is preempted for it)."""
         out: list[ScheduledRequest] = []
-        for sr in self.steps[-1].so.scheduled:
-            request = self.requests.get(sr.req_id)
+        for scheduled_request in self.steps[-1].scheduler_output.scheduled:
+            request = self.requests.get(scheduled_request.req_id)
             if budget <= 0:
                 break
-            if request is None or not self._can_go_ahead(request, sr):
+            if request is None or not self._can_go_ahead(request, scheduled_request):
                 continue
-            ahead = self.ahead.get(sr.req_id, 0)
+            ahead = self.ahead.get(scheduled_request.req_id, 0)
             start = request.num_computed_tokens + ahead
-            n = 1 if sr.sample else min(request.num_tokens - start, budget)
+            n = 1 if scheduled_request.sample else min(request.num_tokens - start, budget)
             if self.kv.allocate_slots(request, ahead + n) is None:
                 continue
             out.append(ScheduledRequest(
-                req_id=sr.req_id, num_computed_tokens=start,
-                token_ids=[PREV_SAMPLED] if sr.sample else request.all_token_ids[start:start + n],
-                block_ids=self.kv.get_block_ids(sr.req_id),
+                req_id=scheduled_request.req_id, num_computed_tokens=start,
+                token_ids=([PREV_SAMPLED] if scheduled_request.sample
+                           else request.all_token_ids[start:start + n]),
+                block_ids=self.kv.get_block_ids(scheduled_request.req_id),
                 sampling_params=request.sampling_params,
-                sample=sr.sample or start + n == request.num_tokens,
+                sample=scheduled_request.sample or start + n == request.num_tokens,
                 num_prompt_tokens=request.num_prompt_tokens,
                 lora_request=request.lora_request,
             ))
             budget -= n
         return out
 
-    def _can_go_ahead(self, request: Request, sr: ScheduledRequest) -> bool:
+    def _can_go_ahead(self, request: Request, scheduled_request: ScheduledRequest) -> bool:
         """Whether ``request``'s next input is known without ``sr``'s output (the rest of its
-        prompt, or only the token ``sr`` samples), and that token may not end it for sure
+        prompt, or only the token ``scheduled_request`` samples), and that token may not end it for
+        sure
         (else its next decode would be wasted)."""
         params = request.sampling_params
-        if (sr.spec_token_ids or request.status != RequestStatus.RUNNING
-                or self.busy.get(sr.req_id, 0) != 1):
+        if (scheduled_request.spec_token_ids or request.status != RequestStatus.RUNNING
+                or self.busy.get(scheduled_request.req_id, 0) != 1):
             return False
         if (request.structured_output is not None or self.is_beam(request.request_id)
                 or params.prompt_logprobs is not None):
             return False
-        if not sr.sample:
+        if not scheduled_request.sample:
             return True
         num_output = len(request.output_token_ids) + 1  # with the token in flight
         if params.max_tokens is not None and num_output >= params.max_tokens:
@@ -237,60 +240,89 @@ class InFlight:
         """Send a step outside the flight (a rerun after a failure, a KV transfer's empty
         step); await the reply."""
         reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-        so = SchedulerOutput(scheduled, blocks_to_copy=blocks_to_copy,
-                             kv_connector_metadata=kv_connector_metadata)
-        self.executor.send(ExecuteModel(so, reply))
+        scheduler_output = SchedulerOutput(scheduled, blocks_to_copy=blocks_to_copy,
+                                           kv_connector_metadata=kv_connector_metadata)
+        self.executor.send(ExecuteModel(scheduler_output, reply))
         return reply
 
-    def send(self, so: SchedulerOutput, start: float) -> None:
-        """Send ``so`` to the executor: its requests are in flight until it is answered.
+    async def execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step outside the flight (a KV transfer's empty step); its reply."""
+        return await self.execute(scheduler_output.scheduled, scheduler_output.blocks_to_copy,
+                                  scheduler_output.kv_connector_metadata)
+
+    async def _rerun_alone(self, scheduler_output: SchedulerOutput,
+                           fail: Callable[[str, Exception], None]) -> ModelRunnerOutput:
+        """After a failed step, rerun each request alone: only the one that fails by itself is
+        failed (K/V writes are idempotent, so rerunning a request's slice is safe)."""
+        merged = ModelRunnerOutput({}, {})
+        for scheduled_request in scheduler_output.scheduled:
+            try:  # copies are idempotent: each rerun may repeat them
+                runner_output = await self.execute([scheduled_request],
+                                                   scheduler_output.blocks_to_copy)
+            except EngineDeadError:
+                raise  # the executor is gone: no request can run, the engine is dead
+            except Exception as e:
+                log.exception("request_failed", request_id=scheduled_request.req_id)
+                fail(scheduled_request.req_id, e)
+                continue
+            merged.sampled_token_ids.update(runner_output.sampled_token_ids)
+            merged.logprobs.update(runner_output.logprobs)
+            merged.prompt_logprobs.update(runner_output.prompt_logprobs)
+            merged.pooler_output.update(runner_output.pooler_output)
+            merged.add_transfers(runner_output)
+        return merged
+
+    def send(self, scheduler_output: SchedulerOutput, start: float) -> None:
+        """Send ``scheduler_output`` to the executor: its requests are in flight until it is
+        answered.
 
         Raises:
             RuntimeError: under pipeline parallelism, a request already in flight (a bug).
         """
-        for sr in so.scheduled:
-            if sr.req_id in self.busy:
+        for scheduled_request in scheduler_output.scheduled:
+            req_id = scheduled_request.req_id
+            if req_id in self.busy:
                 if not self.schedule_ahead:
-                    raise RuntimeError(f"request {sr.req_id!r} in two batches in flight")
+                    raise RuntimeError(f"request {req_id!r} in two batches in flight")
                 self.num_scheduled_ahead_total += 1
-            self.busy[sr.req_id] = self.busy.get(sr.req_id, 0) + 1
-            self.ahead[sr.req_id] = self.ahead.get(sr.req_id, 0) + len(sr.token_ids)
+            self.busy[req_id] = self.busy.get(req_id, 0) + 1
+            self.ahead[req_id] = self.ahead.get(req_id, 0) + len(scheduled_request.token_ids)
         reply: asyncio.Future[ModelRunnerOutput] = asyncio.get_running_loop().create_future()
-        self.executor.send(ExecuteModel(so, reply))
-        self.steps.append(InFlightStep(so, reply, start))
+        self.executor.send(ExecuteModel(scheduler_output, reply))
+        self.steps.append(InFlightStep(scheduler_output, reply, start))
         self.max_batches_in_flight = max(self.max_batches_in_flight, len(self.steps))
 
-    async def land(self, rerun: Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput]],
+    async def land(self, fail: Callable[[str, Exception], None],
                    ) -> tuple[InFlightStep, ModelRunnerOutput]:
         """Await the oldest step and take it out of flight. If it failed, the newer ones are
-        waited for and their outputs dropped, then ``rerun`` (the scheduler's request by
-        request rerun) gives the output."""
+        waited for and their outputs dropped, then each of its requests reruns alone
+        (``_rerun_alone``): one that fails by itself is failed with ``fail`` (the scheduler's)."""
         step = self.steps[0]
         try:
-            out = await step.reply
+            runner_output = await step.reply
             # Its time is the executor's on it: from the step before it, if that ended later.
             step.start, self.last_landed = max(step.start, self.last_landed), time.monotonic()
         except Exception:
-            log.exception("step_failed", num_reqs=len(step.so.scheduled))
+            log.exception("step_failed", num_reqs=len(step.scheduler_output.scheduled))
             await self._give_up_newer(step)
             self.landed(step)
-            return step, await rerun(step.so)
+            return step, await self._rerun_alone(step.scheduler_output, fail)
         self.landed(step)
-        return step, out
+        return step, runner_output
 
     def landed(self, step: InFlightStep) -> None:
         """``step`` is answered (or given up): its requests leave flight; those that ended
         meanwhile give their blocks back now. Call before applying its output, which counts
         its tokens as computed."""
         self.steps.remove(step)
-        for sr in step.so.scheduled:
-            left = self.busy[sr.req_id] - 1
+        for scheduled_request in step.scheduler_output.scheduled:
+            left = self.busy[scheduled_request.req_id] - 1
             if left:
-                self.busy[sr.req_id] = left
-                self.ahead[sr.req_id] -= len(sr.token_ids)
+                self.busy[scheduled_request.req_id] = left
+                self.ahead[scheduled_request.req_id] -= len(scheduled_request.token_ids)
                 continue
-            del self.busy[sr.req_id], self.ahead[sr.req_id]
-            request = self.deferred.pop(sr.req_id, None)
+            del self.busy[scheduled_request.req_id], self.ahead[scheduled_request.req_id]
+            request = self.deferred.pop(scheduled_request.req_id, None)
             if request is not None:
                 self.kv.free(request)
 

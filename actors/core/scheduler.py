@@ -2,7 +2,8 @@
 
 Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its core):
 
-1. drain the mailbox (new requests, aborts, stats queries);
+1. drain the mailbox (new requests, which ``actors/core/admission.py`` accepts or refuses;
+   aborts; stats queries);
 2. ``schedule()``: the batch ``StepPlanner`` decides under ``max_num_batched_tokens`` and
    ``max_num_seqs`` (running requests first, then admissions; preemption by recompute when
    the blocks run out: ``actors/core/step_planner.py``);
@@ -10,9 +11,10 @@ Each iteration (vLLM V1's ``vllm/v1/core/sched/scheduler.py``, reduced to its co
    (``--async-scheduling``, pipeline parallelism: ``actors/core/inflight.py``), build the next
    one first;
 4. ``update_from_output()``: advance ``num_computed_tokens`` (with n-gram drafts, by the
-   accepted ones plus one: ``actors/spec_decode/proposer.py``), append sampled tokens, finish requests,
-   free their blocks and push each request's new tokens to its queue. A beam of a beam search
-   goes to ``BeamScheduler`` instead (``actors/beam/group.py``), which forks and retires beams.
+   accepted ones plus one: ``actors/spec_decode/proposer.py``), append sampled tokens, finish
+   requests, free their blocks and push each request's new tokens to its queue. A beam of a
+   beam search goes to ``BeamScheduler`` instead (``actors/beam/group.py``), which forks and
+   retires beams.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import structlog
 from pagedserve.actors.actor import Actor
 from pagedserve.actors.beam.group import BeamScheduler
 from pagedserve.actors.beam.search import BeamSearch
+from pagedserve.actors.core.admission import Admission
 from pagedserve.actors.core.config import SchedulerConfig
 from pagedserve.actors.core.inflight import InFlight, in_flight_depth
 from pagedserve.actors.core.request import FINISH_REASONS, Request, RequestOutput, RequestStatus
 from pagedserve.actors.core.request_queue import RunningRequests, make_request_queue
 from pagedserve.actors.core.scheduler_stats import SchedulerStatsRecorder
 from pagedserve.actors.core.step_planner import StepPlanner
-from pagedserve.actors.errors import DuplicateRequestId, EngineDeadError, EngineOverloaded
+from pagedserve.actors.errors import EngineDeadError
 from pagedserve.actors.kv.event_publisher import KVEventPublisher
 from pagedserve.actors.kv.kv_cache_manager import KVCacheManager
 from pagedserve.actors.kv.transfer import KVTransfer
@@ -79,18 +82,22 @@ class Scheduler(Actor[SchedulerMessage]):
         self.waiting = make_request_queue(config.policy)
         self.running = RunningRequests()
         self.requests: dict[str, Request] = {}
-        self.waiting_for_grammar: dict[str, Request] = {}  # guided, compile in flight
         self.finished_req_ids: set[str] = set()  # ended since the last step; told to the runner
         self.idle_waiters: list[asyncio.Future[None]] = []  # NotifyWhenIdle replies not yet sent
         self.beams = BeamScheduler(kv_cache_manager, self.waiting, self.running, self.requests,
                                    self._finish)
+        self.admission = Admission(self.requests, self.waiting, self.beams, kv_cache_manager,
+                                   config.max_waiting_requests,
+                                   lambda request_id: self.send(GrammarReady(request_id)),
+                                   self._finish)
+        self.waiting_for_grammar = self.admission.waiting_for_grammar  # parked, compiling
         self.planner = StepPlanner(config, kv_cache_manager, self.waiting, self.running,
                                    self._preempt, max_model_len, self.beams.is_beam)
         self.inflight = InFlight(config, kv_cache_manager, self.planner, self.requests, executor,
                                  *in_flight_depth(config, executor), max_model_len,
                                  lambda: bool(self.beams.groups), self.beams.is_beam)
         self.transfer = None if kv_connector is None else KVTransfer(  # actors/kv/transfer.py
-            kv_connector, kv_cache_manager, self.waiting, self.requests, self._execute,
+            kv_connector, kv_cache_manager, self.waiting, self.requests, self.inflight.execute_step,
             self._finish)
         self.planner.transfer = self.transfer
         if self.transfer is not None and self.inflight.depth > 1:
@@ -116,45 +123,21 @@ class Scheduler(Actor[SchedulerMessage]):
             self.kv_events.flush(len(self.running), len(self.waiting))  # the new arrivals
             if self.has_unfinished_requests() and self.inflight.has_room():
                 start = time.monotonic()
-                so = self.schedule()
-                if so.scheduled:  # with room left, the next step is built at once
-                    self.inflight.send(so, start)
+                scheduler_output = self.schedule()
+                if scheduler_output.scheduled:  # with room left, the next step is built at once
+                    self.inflight.send(scheduler_output, start)
                     continue
-                self.finished_req_ids |= so.finished_req_ids  # still to tell the runner
+                self.finished_req_ids |= scheduler_output.finished_req_ids  # not told yet
                 if not self.inflight:  # nothing fits now; wait for an abort or a new request
-                    meta = so.kv_connector_metadata  # a KV transfer's loads, run while waiting
+                    meta = scheduler_output.kv_connector_metadata  # a KV transfer's loads, run
+                    # while waiting
                     if meta is not None or not self.beams.release_parked():  # else parked
                         await self._wait(meta)  # beams gave blocks back: schedule again
                     continue
             if self.inflight:  # the oldest step's output (a failed one rerun request by request)
-                step, out = await self.inflight.land(self._execute_isolated)
-                self.recorder.record_step(step.so, out, step.start)
-                self.update_from_output(step.so, out)
-
-    async def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One step outside the flight (a KV transfer's empty step); its reply."""
-        return await self.inflight.execute(so.scheduled, so.blocks_to_copy,
-                                           so.kv_connector_metadata)
-
-    async def _execute_isolated(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """After a failed step, rerun each request alone: only the one that fails by itself is
-        failed (K/V writes are idempotent, so rerunning a request's slice is safe)."""
-        merged = ModelRunnerOutput({}, {})
-        for sr in so.scheduled:
-            try:  # copies are idempotent: each rerun may repeat them
-                out = await self.inflight.execute([sr], so.blocks_to_copy)
-            except EngineDeadError:
-                raise  # the executor is gone: no request can run, the engine is dead
-            except Exception as e:
-                log.exception("request_failed", request_id=sr.req_id)
-                self._fail_request(sr.req_id, e)
-                continue
-            merged.sampled_token_ids.update(out.sampled_token_ids)
-            merged.logprobs.update(out.logprobs)
-            merged.prompt_logprobs.update(out.prompt_logprobs)
-            merged.pooler_output.update(out.pooler_output)
-            merged.add_transfers(out)
-        return merged
+                step, runner_output = await self.inflight.land(self._fail_request)
+                self.recorder.record_step(step.scheduler_output, runner_output, step.start)
+                self.update_from_output(step.scheduler_output, runner_output)
 
     def _abort_all(self, msg: AbortAll) -> None:
         """End every request with ``msg.reason`` (an ``abort`` for its client), or only the
@@ -217,11 +200,11 @@ class Scheduler(Actor[SchedulerMessage]):
     def _handle(self, msg: SchedulerMessage) -> None:
         match msg:
             case AddRequest():
-                self._on_add(msg)
+                self.admission.on_add(msg)
             case AbortRequest(request_id=request_id):
                 self.abort_request(request_id)
             case GrammarReady(request_id=request_id):
-                self._grammar_ready(request_id)
+                self.admission.grammar_ready(request_id)
             case AbortAll():
                 self._abort_all(msg)
             case GetStats(reply=reply):
@@ -237,54 +220,10 @@ class Scheduler(Actor[SchedulerMessage]):
 
     # -- requests in and out ----------------------------------------------------------------
 
-    def _on_add(self, msg: AddRequest) -> None:
-        request, accepted = msg.request, msg.accepted
-        error: Exception | None = None
-        limit = self.config.max_waiting_requests
-        if request.request_id in self.requests:
-            error = DuplicateRequestId(f"a request with id {request.request_id!r} is running")
-        elif limit is not None and len(self.waiting) >= limit:
-            error = EngineOverloaded(f"server overloaded: {len(self.waiting)} requests waiting")
-        if accepted is not None and accepted.done():  # the request task was cancelled
-            return
-        if error is None:
-            self.add_request(request, msg.beam_search)
-        if accepted is not None and error is not None:
-            accepted.set_exception(error)
-        elif accepted is not None:
-            accepted.set_result(None)
-        elif error is not None:
-            request.output_queue.put_nowait(RequestOutput([], "error", str(error)))
-
     def add_request(self, request: Request, beam_search: BeamSearch | None = None) -> None:
-        """Queue ``request``; with ``beam_search``, as the root of that search's beams."""
-        self.requests[request.request_id] = request
-        if beam_search is not None:
-            self.beams.add(request, beam_search)
-        self.kv.update_block_hashes(request)
-        so = request.structured_output
-        if so is not None and not (so.ready and so.error is None):
-            # Park it until its compile ends (GrammarReady); the others keep running.
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self.waiting_for_grammar[request.request_id] = request
-            so.notify_when_ready(asyncio.get_running_loop(),
-                                 lambda: self.send(GrammarReady(request.request_id)))
-            return
-        self.waiting.add(request)
-
-    def _grammar_ready(self, request_id: str) -> None:
-        """A parked request's compile ended: queue it, or fail it with the compile error."""
-        request = self.waiting_for_grammar.get(request_id)
-        if request is None:
-            return  # aborted meanwhile
-        error = request.structured_output.error  # type: ignore[union-attr]
-        if error is not None:
-            self._finish(request, RequestStatus.FINISHED_ERROR)
-            request.output_queue.put_nowait(RequestOutput([], "error", error))
-            return
-        del self.waiting_for_grammar[request_id]
-        request.status = RequestStatus.WAITING
-        self.waiting.add(request)
+        """Queue ``request`` (``Admission.add``: parked while its grammar compiles); with
+        ``beam_search``, as the root of that search's beams."""
+        self.admission.add(request, beam_search)
 
     def abort_request(self, request_id: str) -> None:
         if self.beams.abort(request_id):
@@ -323,58 +262,63 @@ class Scheduler(Actor[SchedulerMessage]):
         """The step's batch (``StepPlanner.plan``), the ids that ended since the last step, and
         the grammar bitmask of the guided requests that sample in it."""
         scheduled = self.inflight.plan()
-        for sr in scheduled:  # prefill chunks of requests that want prompt logprobs
-            if sr.sampling_params.prompt_logprobs is not None:
-                sr.prompt_logprobs = self.requests[sr.req_id].prompt_logprobs_wanted(
-                    sr.num_computed_tokens, len(sr.token_ids))
+        for scheduled_request in scheduled:  # prefill chunks of requests that want prompt logprobs
+            if scheduled_request.sampling_params.prompt_logprobs is not None:
+                request = self.requests[scheduled_request.req_id]
+                scheduled_request.prompt_logprobs = request.prompt_logprobs_wanted(
+                    scheduled_request.num_computed_tokens, len(scheduled_request.token_ids))
         self.beams.prepare(scheduled)
-        so = SchedulerOutput(scheduled, self.finished_req_ids,
-                             blocks_to_copy=self.kv.take_blocks_to_copy())
-        so.grammar_bitmask, so.structured_output_request_ids = grammar_bitmask(
-            scheduled, self.requests)
+        scheduler_output = SchedulerOutput(scheduled, self.finished_req_ids,
+                                           blocks_to_copy=self.kv.take_blocks_to_copy())
+        (scheduler_output.grammar_bitmask,
+         scheduler_output.structured_output_request_ids) = grammar_bitmask(scheduled, self.requests)
         if self.transfer is not None:
-            so.kv_connector_metadata = self.transfer.step_metadata(scheduled)
+            scheduler_output.kv_connector_metadata = self.transfer.step_metadata(scheduled)
         self.finished_req_ids = set()
-        return so
+        return scheduler_output
 
-    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        self.recorder.record_update(so, out)
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> None:
+        self.recorder.record_update(scheduler_output, runner_output)
         now = time.monotonic()
-        drop = self.transfer.update_from_output(so, out) if self.transfer is not None else ()
-        for sr in so.scheduled:
-            request = self.requests.get(sr.req_id)
-            if request is None or request.status != RequestStatus.RUNNING or sr.req_id in drop:
+        drop = (self.transfer.update_from_output(scheduler_output, runner_output)
+                if self.transfer is not None else ())
+        for scheduled_request in scheduler_output.scheduled:
+            req_id = scheduled_request.req_id
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or req_id in drop:
                 continue
             try:  # what one request's tokens raise fails that request, not the engine
-                self._update_request(request, sr, out, now)
+                self._update_request(request, scheduled_request, runner_output, now)
             except Exception as e:
-                log.exception("request_failed", request_id=sr.req_id, where="update")
-                self._fail_request(sr.req_id, e)
+                log.exception("request_failed", request_id=req_id, where="update")
+                self._fail_request(req_id, e)
 
-    def _update_request(self, request: Request, sr: ScheduledRequest,
-                        out: ModelRunnerOutput, now: float) -> None:
+    def _update_request(self, request: Request, scheduled_request: ScheduledRequest,
+                        runner_output: ModelRunnerOutput, now: float) -> None:
         """Apply one running request's step: its computed tokens, its sampled tokens (to the
         beam search for a beam), its stop check, and its output to its queue."""
         if request.pooling_params is not None:
-            self._update_pooling(request, sr, out)
+            self._update_pooling(request, scheduled_request, runner_output)
             return
-        if sr.req_id in out.prompt_logprobs:
-            request.add_prompt_logprobs(out.prompt_logprobs[sr.req_id])
-        new = out.sampled_token_ids.get(sr.req_id)
-        accepted = num_accepted(sr, new)  # drafts whose K/V is now valid
-        request.num_computed_tokens += len(sr.token_ids) + accepted
-        if sr.spec_token_ids:
-            self.recorder.spec_decode.record(len(sr.spec_token_ids), accepted)
+        req_id = scheduled_request.req_id
+        if req_id in runner_output.prompt_logprobs:
+            request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
+        new = runner_output.sampled_token_ids.get(req_id)
+        accepted = num_accepted(scheduled_request, new)  # drafts whose K/V is now valid
+        request.num_computed_tokens += len(scheduled_request.token_ids) + accepted
+        if scheduled_request.spec_token_ids:
+            self.recorder.spec_decode.record(len(scheduled_request.spec_token_ids), accepted)
         if not new:
             return
         if request.first_token_time is None:
             request.first_token_time = now
-        if self.beams.is_beam(sr.req_id):
-            self.beams.on_sampled(request, out.logprobs[sr.req_id][0])
+        if self.beams.is_beam(req_id):
+            self.beams.on_sampled(request, runner_output.logprobs[req_id][0])
             return
         status = None
         first = not request.output_token_ids
-        logprobs = out.logprobs.get(sr.req_id)
+        logprobs = runner_output.logprobs.get(req_id)
         for i, token in enumerate(new):  # with drafts, a stop among them ends the output
             request.output_token_ids.append(token)
             status = advance(request, [token]) or self._check_stop(request)
@@ -392,15 +336,16 @@ class Scheduler(Actor[SchedulerMessage]):
                 output.prompt_logprobs = request.prompt_logprobs
         request.output_queue.put_nowait(output)
 
-    def _update_pooling(self, request: Request, sr: ScheduledRequest,
-                        out: ModelRunnerOutput) -> None:
+    def _update_pooling(self, request: Request, scheduled_request: ScheduledRequest,
+                        runner_output: ModelRunnerOutput) -> None:
         """A pooling request's chunk: its tokens computed; after the last one (the runner
         pooled it), it ends with its vector: no decode follows (vLLM V1's pooling path)."""
-        request.num_computed_tokens += len(sr.token_ids)
-        pooled = out.pooler_output.get(sr.req_id)
+        request.num_computed_tokens += len(scheduled_request.token_ids)
+        pooled = runner_output.pooler_output.get(scheduled_request.req_id)
         if pooled is None:
-            if sr.sample:  # the last chunk ran, yet no vector: the runner did not pool it
-                self._fail_request(sr.req_id, RuntimeError("the model returned no pooled output"))
+            if scheduled_request.sample:  # the last chunk ran, yet no vector: it was not pooled
+                self._fail_request(scheduled_request.req_id,
+                                   RuntimeError("the model returned no pooled output"))
             return
         request.first_token_time = time.monotonic()
         self.recorder.num_pooling_finished_total += 1

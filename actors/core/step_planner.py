@@ -6,8 +6,8 @@ under one token budget (``max_num_batched_tokens``) and a cap on running request
 (``max_num_seqs``). A step is two passes:
 
 1. **Running requests**, in order: each gets its next prefill chunk or its decode, a decode
-   also n-gram drafts when speculating (``actors/spec_decode/proposer.py``). When the blocks run out,
-   the last running request (the latest admitted; under ``priority``, the worst) is preempted
+   also n-gram drafts when speculating (``actors/spec_decode/proposer.py``). When the blocks run
+   out, the last running request (the latest admitted; under ``priority``, the worst) is preempted
    by recompute: its blocks go, its tokens stay, and it returns to the front of the waiting
    queue.
 2. **Waiting requests**, in queue order, unless pass 1 preempted (then the blocks are short):
@@ -69,7 +69,7 @@ class StepPlanner:
             self._apply_priority(budget)
         scheduled, preempted = self._schedule_running(budget)
         if not preempted:  # a step that had to preempt is short of blocks: admit nobody
-            budget -= sum(sr.num_step_tokens for sr in scheduled)
+            budget -= sum(scheduled_request.num_step_tokens for scheduled_request in scheduled)
             scheduled += self._schedule_waiting(budget)
         return scheduled
 
@@ -89,10 +89,10 @@ class StepPlanner:
                 drafts = []  # no blocks for guesses: never preempt anyone for them
             if not drafts and not self._allocate_or_preempt(request, n, preempted):
                 break  # it preempted itself: nothing after it is left running
-            sr = self._scheduled(request, n)
-            sr.spec_token_ids = drafts
-            scheduled.append(sr)
-            budget -= sr.num_step_tokens
+            scheduled_request = self._scheduled(request, n)
+            scheduled_request.spec_token_ids = drafts
+            scheduled.append(scheduled_request)
+            budget -= scheduled_request.num_step_tokens
         return scheduled, preempted
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
@@ -134,10 +134,10 @@ class StepPlanner:
             request.num_cached_tokens = look.num_local
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            sr = self._scheduled(request, n)
+            scheduled_request = self._scheduled(request, n)
             if look.num_computed:  # the runner never saw the cached / loaded prefix's tokens
-                sr.prefix_token_ids = request.all_token_ids[:look.num_computed]
-            scheduled.append(sr)
+                scheduled_request.prefix_token_ids = request.all_token_ids[:look.num_computed]
+            scheduled.append(scheduled_request)
             budget -= n
         return scheduled
 

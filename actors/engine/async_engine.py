@@ -1,7 +1,7 @@
 """The engine as the HTTP layer sees it: start the actors, run one request as a task.
 
-``AsyncEngine.add_request`` + ``RequestStream`` (``actors/engine/request_stream.py``) are the *request
-task* of DESIGN.md: the task owns the request's output queue, sends ``AddRequest`` to the
+``AsyncEngine.add_request`` + ``RequestStream`` (``actors/engine/request_stream.py``) are the
+*request task* of DESIGN.md: the task owns the request's output queue, sends ``AddRequest`` to the
 scheduler, detokenizes what comes back, applies stop strings and, when it stops reading early
 (client gone, stop string matched), sends ``AbortRequest``, so the scheduler frees the blocks
 before its next step.

@@ -1,5 +1,6 @@
-"""``EngineConfig``: every setting of one engine, grouped as the flags are (``server/engine_args.py``
-builds it from ``pagedserve serve``'s flags; an engine-core process gets it over the wire)."""
+"""``EngineConfig``: every setting of one engine, grouped as the flags are
+(``server/engine_args.py`` builds it from ``pagedserve serve``'s flags; an engine-core process
+gets it over the wire)."""
 
 from __future__ import annotations
 

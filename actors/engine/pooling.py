@@ -73,7 +73,8 @@ def _engine_params(params: PoolingParams, info: ModelInfo) -> PoolingParams:
 
 
 async def run_pooling(
-    scheduler: Actor[SchedulerMessage], info: ModelInfo, stat_loggers: list[StatLogger], request_id: str,
+    scheduler: Actor[SchedulerMessage], info: ModelInfo, stat_loggers: list[StatLogger],
+    request_id: str,
     prompt_token_ids: list[int], params: PoolingParams, priority: int = 0,
     cache_salt: str | None = None,
 ) -> PoolingOutput:
@@ -89,18 +90,19 @@ async def run_pooling(
     scheduler.send(AddRequest(request, accepted))
     try:
         await accepted  # EngineOverloaded, DuplicateRequestId: never queued, not counted
-        out = await queue.get()
+        request_output = await queue.get()
     except asyncio.CancelledError:
         scheduler.send(AbortRequest(request_id))  # a no-op once the scheduler has ended it
         if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
             _report(stat_loggers, request, "abort")
         raise
-    _report(stat_loggers, request, out.finish_reason or "abort")
-    if out.finish_reason == "abort":
-        raise EngineShuttingDown(out.error or "request aborted by the server")
-    if out.pooled is None:
-        raise EngineError(out.error or "request failed")
-    return PoolingOutput(request_id, out.pooled, len(prompt_token_ids), out.num_cached_tokens)
+    _report(stat_loggers, request, request_output.finish_reason or "abort")
+    if request_output.finish_reason == "abort":
+        raise EngineShuttingDown(request_output.error or "request aborted by the server")
+    if request_output.pooled is None:
+        raise EngineError(request_output.error or "request failed")
+    return PoolingOutput(request_id, request_output.pooled, len(prompt_token_ids),
+                         request_output.num_cached_tokens)
 
 
 def _report(loggers: list[StatLogger], request: Request, finish: str) -> None:

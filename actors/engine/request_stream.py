@@ -72,19 +72,19 @@ class RequestMetrics:
     def _summary(self, request: Request) -> FinishedRequest:
         """The phases as vLLM splits them: queued → scheduled → first token → last token."""
         cap = request.sampling_params.max_tokens  # None: up to the context, unknown here
-        out = FinishedRequest(request.num_prompt_tokens, self.num_tokens,
+        summary = FinishedRequest(request.num_prompt_tokens, self.num_tokens,
                               self.num_tokens if cap is None else cap,
                               n=request.sampling_params.n)
         first, last = self.first_token_time, self.last_token_time
         scheduled = request.scheduled_time
         if first is None or last is None:
-            return out
+            return summary
         if scheduled is not None:
-            out.prefill_s, out.inference_s = first - scheduled, last - scheduled
-        out.decode_s = last - first
+            summary.prefill_s, summary.inference_s = first - scheduled, last - scheduled
+        summary.decode_s = last - first
         if self.num_tokens > 1:
-            out.time_per_output_token_s = out.decode_s / (self.num_tokens - 1)
-        return out
+            summary.time_per_output_token_s = summary.decode_s / (self.num_tokens - 1)
+        return summary
 
     def _send(self, update: RequestUpdate) -> None:
         for logger in self.loggers:
@@ -119,41 +119,42 @@ class RequestStream:
         if self.state is not StreamState.LIVE:
             raise StopAsyncIteration
         try:
-            out = await self._request.output_queue.get()
-            return self._delta(out)
+            request_output = await self._request.output_queue.get()
+            return self._delta(request_output)
         except BaseException:  # cancelled (client gone), or our own failure (detokenizer)
             self._abort(None)  # no-op when the scheduler already ended it
             raise
 
-    def _delta(self, out: RequestOutput) -> GenerationDelta:
+    def _delta(self, request_output: RequestOutput) -> GenerationDelta:
         """Turn one scheduler output into a delta; ends the stream on its last one.
 
         Raises:
             EngineShuttingDown: the server aborted the request (shutdown).
             EngineError: the request failed in the engine.
         """
-        if out.finish_reason == "abort":
+        if request_output.finish_reason == "abort":
             self._finished("abort")
-            raise EngineShuttingDown(out.error or "request aborted by the server")
-        if out.finish_reason == "error":
+            raise EngineShuttingDown(request_output.error or "request aborted by the server")
+        if request_output.finish_reason == "error":
             self._finished("error")
-            raise EngineError(out.error or "request failed")
-        text = self._detok.update(out.new_token_ids, final=out.finish_reason is not None)
+            raise EngineError(request_output.error or "request failed")
+        text = self._detok.update(request_output.new_token_ids,
+                                  final=request_output.finish_reason is not None)
         # A stop string cuts the tokens too (drafts accepted past it are not the output's).
         n = self._detok.num_kept
-        token_ids = out.new_token_ids[:n]
-        logprobs = out.logprobs[:n] if out.logprobs is not None else None
+        token_ids = request_output.new_token_ids[:n]
+        logprobs = request_output.logprobs[:n] if request_output.logprobs is not None else None
         self._num_output += n
         self._metrics.tokens(self._request, n)
-        finish = self._detok.stop_reason or out.finish_reason
-        if out.finish_reason is not None:
+        finish = self._detok.stop_reason or request_output.finish_reason
+        if request_output.finish_reason is not None:
             self._finished(finish)
         elif finish is not None:  # a stop string matched: the scheduler would run on
             self._abort(finish)
         return GenerationDelta(text, token_ids, finish, self._request.num_prompt_tokens,
-                               self._num_output, logprobs, out.prompt_logprobs,
-                               out.num_cached_tokens, self._request.kv_transfer_params
-                               if out.finish_reason is not None else None,
+                               self._num_output, logprobs, request_output.prompt_logprobs,
+                               request_output.num_cached_tokens, self._request.kv_transfer_params
+                               if request_output.finish_reason is not None else None,
                                self._detok.stop_string)
 
     def close(self) -> None:

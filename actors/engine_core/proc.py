@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
-import logging
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ import zmq.asyncio
 from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.actors.engine_core import messages as m
 from pagedserve.actors.kv.events import KVEventBatch
+from pagedserve.actors.log_setup import configure_logging
 from pagedserve.actors.stats import RequestUpdate, StepStats
 
 log = structlog.get_logger(__name__)
@@ -234,21 +234,6 @@ def _die_with_parent() -> None:
         pass  # not Linux: the front's ShutdownMsg still ends it
 
 
-def _configure_logging(level: str, engine_index: int) -> None:
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-    structlog.contextvars.bind_contextvars(engine=engine_index)
-
-
 async def serve_core(spec: m.CoreSpec) -> None:
     """Start the engine, register with the front, serve until told to stop."""
     ctx = zmq.asyncio.Context()
@@ -284,7 +269,7 @@ def main() -> None:
     # Ctrl-C reaches the whole process group: the API server drains, then stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec: m.CoreSpec = m.decode(base64.b64decode(os.environ.pop(SPEC_ENV)))
-    _configure_logging(spec.log_level, spec.engine_index)
+    configure_logging(spec.log_level, engine=spec.engine_index)
     try:
         asyncio.run(serve_core(spec))
     except Exception:  # noqa: BLE001  (logged; the front sees the exit)

@@ -180,13 +180,13 @@ class MultiprocExecutor(Actor[ExecutorMessage]):
         self._shutdown_workers(grace_s=0.0)  # the others are stuck in a collective
         raise WorkerFailed(reason)
 
-    def broadcast(self, so: SchedulerOutput) -> None:
+    def broadcast(self, scheduler_output: SchedulerOutput) -> None:
         """Send one step to every rank (on the sender thread, steps in order)."""
         if self.failure is not None:
             return  # the waiter raises
         start = time.perf_counter()
         try:
-            self._send(("step", so))
+            self._send(("step", scheduler_output))
         except Exception as e:  # the waiter would wait for a reply that never comes
             self._fail(f"broadcast of a step failed: {type(e).__name__}: {e}")
         self.broadcast_seconds += time.perf_counter() - start
@@ -198,9 +198,9 @@ class MultiprocExecutor(Actor[ExecutorMessage]):
             raise WorkerFailed(self.failure)
         return self._wait({self.driver_rank})[self.driver_rank]
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank, nothing else in flight (tools and tests)."""
-        self.broadcast(so)
+        self.broadcast(scheduler_output)
         return self.wait_output()
 
     async def run(self) -> None:
@@ -218,7 +218,7 @@ class MultiprocExecutor(Actor[ExecutorMessage]):
         """Pass ``msg``'s output, or why there is none, to its reply."""
         try:
             await sent
-            out = await output
+            runner_output = await output
         except Exception as e:
             if isinstance(e, WorkerFailed):
                 self.dead.set()
@@ -226,7 +226,7 @@ class MultiprocExecutor(Actor[ExecutorMessage]):
                 msg.reply.set_exception(e)
             return
         if not msg.reply.done():
-            msg.reply.set_result(out)
+            msg.reply.set_result(runner_output)
 
     def _shutdown_workers(self, grace_s: float = STOP_TIMEOUT_S) -> None:
         """Ask every worker to stop, give them ``grace_s``, then SIGTERM, then SIGKILL what is

@@ -87,7 +87,7 @@ class RayExecutor(MultiprocExecutor):
                 self._fail(f"worker rank {rank}: {type(e).__name__}: {e}".splitlines()[0])
         return ray.get(refs)
 
-    def broadcast(self, so: SchedulerOutput) -> None:
+    def broadcast(self, scheduler_output: SchedulerOutput) -> None:
         """Hand one step to every actor (the sender thread, steps in order); the waiter takes
         its result refs from ``_pending`` (``None``: there will be no result)."""
         if self.failure is not None:
@@ -95,7 +95,7 @@ class RayExecutor(MultiprocExecutor):
             return
         start = time.perf_counter()
         try:
-            ref = self.ray.put(so)  # serialised once, read by every rank
+            ref = self.ray.put(scheduler_output)  # serialised once, read by every rank
             refs = [a.execute.remote(ref) for a in self.actors]
         except Exception as e:  # the waiter would wait for refs that never come
             self._pending.put(None)

@@ -159,26 +159,29 @@ class KVTransfer:
         self.connector.on_step_scheduled(scheduled)
         return self.connector.build_connector_meta()
 
-    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> set[str]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> set[str]:
         """Apply the worker half's reports. Returns the ids whose step output must be dropped
         (their load failed: what they computed and sampled rests on K/V that is not there)."""
-        for sr in so.scheduled:
-            start, end = sr.num_computed_tokens, sr.num_computed_tokens + len(sr.token_ids)
+        for scheduled_request in scheduler_output.scheduled:
+            start = scheduled_request.num_computed_tokens
+            end = start + len(scheduled_request.token_ids)
             self.stats.num_computed_prompt_tokens_total += max(
-                0, min(end, sr.num_prompt_tokens) - start)
+                0, min(end, scheduled_request.num_prompt_tokens) - start)
         drop: set[str] = set()
-        for rid in out.failed_recving:
+        for rid in runner_output.failed_recving:
             if self._load_failed(rid):
                 drop.add(rid)
-        for rid in out.finished_recving:
+        for rid in runner_output.finished_recving:
             self._load_landed(rid)
-        for rid in out.finished_sending:
+        for rid in runner_output.finished_sending:
             held = self.held.get(rid)
             if held is not None and not held.recving:
                 self._release(rid)
-        for sr in so.scheduled:  # a synchronous load that did not fail landed
-            if sr.req_id not in drop and sr.req_id not in self.parked:
-                self._confirm(sr.req_id)
+        for scheduled_request in scheduler_output.scheduled:  # a synchronous load that did
+            req_id = scheduled_request.req_id                 # not fail landed
+            if req_id not in drop and req_id not in self.parked:
+                self._confirm(req_id)
         return drop
 
     def _confirm(self, rid: str) -> None:
@@ -294,13 +297,13 @@ class KVTransfer:
         await self._empty_step(self.step_metadata([]))
 
     async def _empty_step(self, metadata: KVConnectorMetadata | None) -> None:
-        so = SchedulerOutput([], kv_connector_metadata=metadata)
+        scheduler_output = SchedulerOutput([], kv_connector_metadata=metadata)
         try:
-            out = await self.execute(so)
+            runner_output = await self.execute(scheduler_output)
         except Exception:
             log.exception("kv_transfer_poll_failed")
             return
-        self.update_from_output(so, out)
+        self.update_from_output(scheduler_output, runner_output)
 
     def snapshot(self) -> KVTransferStats:
         s = self.stats

@@ -6,15 +6,15 @@ tokens costs about what scoring one does. The proposer guesses by finding the re
 n tokens earlier in its prompt or output and proposing what followed them there (Saxena,
 "Prompt Lookup Decoding", 2023; vLLM's ``vllm/v1/spec_decode/ngram_proposer.py``). The model
 scores the last token and the drafts in one step, and the runner verifies them by rejection
-sampling (``gpu/spec_decode/rejection_sampler.py``), which keeps the output distribution of plain decoding
-at any temperature, with every sampling parameter (penalties, min_tokens, logprobs, seeds, and
-the grammar: a guided request's bitmask has a row per drafted position,
-``actors/structured_output/manager.py``); greedy output is the one plain decoding gives.
+sampling (``gpu/spec_decode/rejection_sampler.py``), which keeps the output distribution of plain
+decoding at any temperature, with every sampling parameter (penalties, min_tokens, logprobs,
+seeds, and the grammar: a guided request's bitmask has a row per drafted position,
+``actors/structured_output/step.py``); greedy output is the one plain decoding gives.
 
 With ``method: draft_model`` the scheduler only decides how many drafts a decode gets (the
 same room rules) and hands the runner that many placeholder slots; the draft model, in the
-runner, fills them before the verify pass (``gpu/spec_decode/draft_model.py``). Guided requests get none
-there: their bitmask rows per drafted position are built here, before the drafts exist.
+runner, fills them before the verify pass (``gpu/spec_decode/draft_model.py``). Guided requests
+get none there: their bitmask rows per drafted position are built here, before the drafts exist.
 
 The scheduler's side is two calls: ``NgramProposer.propose`` gives a decode its drafts (the
 step planner takes blocks for them only when they are free: a guess never preempts anyone),
@@ -94,10 +94,10 @@ def make_proposer(config: SpeculativeConfig, max_model_len: int,
     return NgramProposer(config, max_model_len, is_beam)
 
 
-def num_accepted(sr: ScheduledRequest, sampled: list[int] | None) -> int:
+def num_accepted(scheduled_request: ScheduledRequest, sampled: list[int] | None) -> int:
     """Drafts of ``sr`` the runner accepted: it returns the accepted ones plus one sampled
     token, so the K/V of the last token and of ``len(sampled) - 1`` drafts is valid."""
-    return len(sampled) - 1 if sr.spec_token_ids and sampled else 0
+    return len(sampled) - 1 if scheduled_request.spec_token_ids and sampled else 0
 
 
 def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

@@ -21,18 +21,20 @@ def grammar_bitmask(
     consecutive rows for one with ``k`` drafts: the grammar's state after each draft), and the
     first row of each request id. ``(None, {})`` when there is none (unguided batches build
     nothing)."""
-    guided = [(sr, so) for sr in scheduled
-              if sr.sample and (so := requests[sr.req_id].structured_output) is not None]
+    guided = [(scheduled_request, structured_output) for scheduled_request in scheduled
+              if scheduled_request.sample and (
+                  structured_output := requests[scheduled_request.req_id].structured_output)
+              is not None]
     if not guided:
         return None, {}
-    num_rows = sum(len(sr.spec_token_ids) + 1 for sr, _ in guided)
+    num_rows = sum(len(scheduled_request.spec_token_ids) + 1 for scheduled_request, _ in guided)
     bitmask = xgr.allocate_token_bitmask(num_rows, guided[0][1].vocab_size)
     first: dict[str, int] = {}
     row = 0
-    for sr, so in guided:
-        first[sr.req_id] = row
-        _fill_rows(so.matcher, bitmask, row, sr.spec_token_ids)
-        row += len(sr.spec_token_ids) + 1
+    for scheduled_request, structured_output in guided:
+        first[scheduled_request.req_id] = row
+        _fill_rows(structured_output.matcher, bitmask, row, scheduled_request.spec_token_ids)
+        row += len(scheduled_request.spec_token_ids) + 1
     return bitmask, first
 
 
@@ -63,10 +65,10 @@ def advance(request: Request, new_token_ids: list[int]) -> RequestStatus | None:
     token), ``FINISHED_ERROR`` if a token was refused (cannot happen with the bitmask applied),
     else ``None``. Unguided requests: ``None``.
     """
-    so = request.structured_output
-    if so is None:
+    structured_output = request.structured_output
+    if structured_output is None:
         return None
-    matcher = so.matcher
+    matcher = structured_output.matcher
     for token in new_token_ids:
         if not matcher.accept_token(token):
             log.error("grammar_rejected_token", request_id=request.request_id, token=token)

@@ -27,7 +27,8 @@ from pagedserve.server.anthropic.convert import chat_request
 from pagedserve.server.anthropic.errors import anthropic_error_body
 from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedserve.server.anthropic.shape import MessageShape, Output, events
-from pagedserve.server.openai.output import DisconnectWatch, RequestSummary, until_disconnect
+from pagedserve.server.disconnect import DisconnectWatch, until_disconnect
+from pagedserve.server.openai.output import RequestSummary
 from pagedserve.server.openai.serving import ChatInputs, Serving
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses.events import collect

@@ -22,14 +22,10 @@ from pagedserve.actors.engine.protocol import BeamSearchHandle
 from pagedserve.actors.engine.request_stream import close_all
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.server.disconnect import DisconnectWatch, until_disconnect
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.admission import ADMISSION_ERRORS, admission_error, check_priority
-from pagedserve.server.openai.output import (
-    DisconnectWatch,
-    RequestSummary,
-    ResponseBuilder,
-    until_disconnect,
-)
+from pagedserve.server.openai.output import RequestSummary, ResponseBuilder
 
 # Field → (its value when unused, as the body holds it).
 _UNSUPPORTED = {

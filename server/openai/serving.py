@@ -26,6 +26,7 @@ from pagedserve.actors.structured_output.manager import GrammarError
 from pagedserve.gpu import loader
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.config import ServingConfig
+from pagedserve.server.disconnect import DisconnectWatch, until_disconnect
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.lora_modules import LoRARegistry
 from pagedserve.server.openai.admission import ADMISSION_ERRORS, admission_error, check_priority
@@ -37,13 +38,11 @@ from pagedserve.server.openai.beam_search import (
 from pagedserve.server.openai.chat_prompt import ChatPrompts
 from pagedserve.server.openai.logprobs_format import LogprobsFormatter
 from pagedserve.server.openai.output import (
-    DisconnectWatch,
     OnDone,
     RequestSummary,
     ResponseBuilder,
     collect,
     sse_events,
-    until_disconnect,
 )
 from pagedserve.server.openai.prompts import (
     PromptInput,

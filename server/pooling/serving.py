@@ -25,9 +25,9 @@ from pagedserve.actors.engine.pooling import PoolingOutput
 from pagedserve.actors.engine.protocol import PoolingClient
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.gpu.pooling.pooling_params import PoolingParams
+from pagedserve.server.disconnect import DisconnectWatch, until_disconnect
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.openai.admission import ADMISSION_ERRORS, admission_error, check_priority
-from pagedserve.server.openai.output import DisconnectWatch, until_disconnect
 from pagedserve.server.openai.prompts import check_token_ids, truncate_ids
 from pagedserve.server.pooling.protocol import EmbeddingRequest, PoolingRequest
 from pagedserve.server.request_body import parse_body

@@ -27,13 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedserve.actors.engine.protocol import DeltaStream
+from pagedserve.server.disconnect import DisconnectWatch, until_disconnect
 from pagedserve.server.errors import OpenAIError
-from pagedserve.server.openai.output import (
-    DisconnectWatch,
-    OnDone,
-    RequestSummary,
-    until_disconnect,
-)
+from pagedserve.server.openai.output import OnDone, RequestSummary
 from pagedserve.server.openai.serving import Serving
 from pagedserve.server.request_body import parse_body
 from pagedserve.server.responses.events import Progress, ResponseShape, collect, events
