@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedserve.actors.core.request import Request
 
 if TYPE_CHECKING:
-    from pagedserve.gpu.model_runner import ModelInfo
+    from pagedserve.gpu.model_info import ModelInfo
 
 
 @dataclass(slots=True)

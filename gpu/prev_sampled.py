@@ -32,12 +32,12 @@ class PrevSampled:
                                        "it never sampled")
                 r.token_ids = [token]
 
-    def record(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+    def record(self, runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Keep each request's last token of ``out``; returns ``out``."""
-        for req_id, tokens in out.sampled_token_ids.items():
+        for req_id, tokens in runner_output.sampled_token_ids.items():
             if tokens:
                 self._last[req_id] = tokens[-1]
-        return out
+        return runner_output
 
     def forget(self, req_id: str) -> None:
         self._last.pop(req_id, None)

@@ -66,8 +66,8 @@ async def serve_layout(model: str, device: str, tp: int, pp: int, workers: bool,
                        concurrency: int, max_tokens: int, enforce_eager: bool = False) -> dict:
     """One engine (``tp × pp`` ranks; ``workers``: through the mp executor even for one)."""
     from pagedserve.actors.core.config import SchedulerConfig
+    from pagedserve.actors.engine import async_engine as engine_module
     from pagedserve.actors.engine.async_engine import AsyncEngine
-    from pagedserve.actors.engine.async_engine import async_engine as engine_module
     from pagedserve.actors.engine.config import EngineConfig
     from pagedserve.actors.executor.multiproc import MultiprocExecutor
     from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig

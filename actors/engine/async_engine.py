@@ -48,7 +48,7 @@ from pagedserve.actors.structured_output.manager import (
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import DraftModelConfig
 from pagedserve.gpu.kv_connector.registry import make_scheduler_connector
-from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.model_info import ModelInfo
 from pagedserve.gpu.pooling.pooling_params import PoolingParams
 from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.kernels import cpu_ops

@@ -24,7 +24,7 @@ from pagedserve.actors.core.request import Request, RequestOutput
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
 from pagedserve.actors.messages import AbortRequest, AddRequest, SchedulerMessage
 from pagedserve.actors.stats import RequestUpdate, StatLogger
-from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.model_info import ModelInfo
 from pagedserve.gpu.pooling.pooling_params import PoolingParams, PoolingType
 from pagedserve.gpu.sample.sampling_params import SamplingParams
 

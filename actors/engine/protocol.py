@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # types only: an engine module imports this one, never the ot
     from pagedserve.actors.kv.events import KVEventSink
     from pagedserve.actors.stats import EngineStats, StatLogger
     from pagedserve.gpu.lora.request import LoRARequest
-    from pagedserve.gpu.model_runner import ModelInfo
+    from pagedserve.gpu.model_info import ModelInfo
     from pagedserve.gpu.pooling.pooling_params import PoolingParams
     from pagedserve.gpu.sample.sampler import TokenLogprobs
     from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams

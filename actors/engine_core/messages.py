@@ -54,7 +54,7 @@ from pagedserve.actors.stats import (
 from pagedserve.actors.structured_output.config import StructuredOutputConfig
 from pagedserve.actors.structured_output.manager import GrammarError
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.model_info import ModelInfo
 from pagedserve.gpu.pooling.pooling_params import PoolerConfig, PoolingType
 from pagedserve.gpu.pooling.pooling_runner import PoolingInfo
 from pagedserve.gpu.sample.sampler import TokenLogprobs

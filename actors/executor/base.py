@@ -19,7 +19,8 @@ from pagedserve.actors.errors import EngineDeadError
 from pagedserve.actors.messages import ExecuteModel, ExecutorMessage
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.model_runner import ModelInfo, ModelRunner
+from pagedserve.gpu.model_info import ModelInfo
+from pagedserve.gpu.model_runner import ModelRunner
 from pagedserve.gpu.parallel.gguf_shard import gguf_split_problem
 from pagedserve.gpu.parallel.layout import check_layout
 

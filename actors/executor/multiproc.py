@@ -34,7 +34,7 @@ from pagedserve.actors.messages import ExecuteModel, ExecutorMessage
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.cpu.threads import cpu_threads
-from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.model_info import ModelInfo
 from pagedserve.gpu.parallel.comm import free_port
 from pagedserve.gpu.parallel.shm_all_reduce import process_exited
 from pagedserve.gpu.worker import WorkerSpec, worker_main

@@ -23,7 +23,7 @@ import structlog
 from pagedserve.actors.executor.multiproc import MultiprocExecutor, WorkerFailed, merge_infos
 from pagedserve.actors.executor.ray_worker import RayWorker
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
-from pagedserve.gpu.model_runner import ModelInfo
+from pagedserve.gpu.model_info import ModelInfo
 
 log = structlog.get_logger(__name__)
 

@@ -121,6 +121,22 @@ class DraftModel:
             self.computed[r.req_id] = 0
 
     @torch.inference_mode()
+    def propose_step(self, scheduled: list[ScheduledRequest],
+                     history: dict[str, list[int]]) -> None:
+        """Fill the draft slots (placeholders from the scheduler) of the step's decodes that
+        have them; every request's draft K/V is reset if it was rebuilt. ``history``: each
+        request's tokens as the runner has seen them (``SamplingState.token_ids``)."""
+        drafting = []
+        for r in scheduled:
+            self.reset_if_rebuilt(r)
+            if r.spec_token_ids:
+                drafting.append(r)
+        if not drafting:
+            return
+        tokens = {r.req_id: history[r.req_id][: r.num_computed_tokens] + r.token_ids
+                  for r in drafting}  # a decode's tokens: the runner has seen all before it
+        self.propose(drafting, tokens)
+
     def propose(self, reqs: list[ScheduledRequest], tokens: dict[str, list[int]]) -> None:
         """Fill each request's ``spec_token_ids`` (placeholders, ``k`` of them) with drafts.
 

@@ -29,10 +29,13 @@ output run after run, whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest
 from pagedserve.gpu.sample.sampler import (
     SampleRow,
     TargetDistribution,
@@ -41,6 +44,9 @@ from pagedserve.gpu.sample.sampler import (
     target_distribution,
     token_logprobs,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.gpu.spec_decode.draft_model import DraftModel
 
 
 @dataclass(slots=True)
@@ -167,3 +173,25 @@ def _logprobs(target: TargetDistribution, r: DraftedRequest, start: int,
     first = target.logprob_rows.index(start)  # a request's rows are consecutive
     return [token_logprobs(target.logprobs[first + j], t, params.logprobs,
                            params.logprob_token_ids) for j, t in enumerate(tokens)]
+
+
+def verify_drafts(logits: torch.Tensor, reqs: list[ScheduledRequest],
+                  row: Callable[[ScheduledRequest, int], SampleRow],
+                  draft: DraftModel | None) -> ModelRunnerOutput:
+    """Verify every request's drafts by rejection sampling: a request with k drafts has k + 1
+    rows, row ``j`` processed with the first ``j`` drafts in its history (``row``, the
+    runner's ``SamplingState.row``); it gets back its accepted drafts plus one token. Requests
+    without drafts are the ``k = 0`` case: plain sampling of their one row. The draft model,
+    if any, learns how many of its drafts were accepted."""
+    drafted = [DraftedRequest([row(r, j) for j in range(len(r.spec_token_ids) + 1)],
+                              r.spec_token_ids) for r in reqs]
+    verified = rejection_sample(logits, drafted)
+    if draft is not None:
+        for r, v in zip(reqs, verified, strict=True):
+            if r.spec_token_ids:
+                draft.accepted(r, len(v.token_ids) - 1)
+    return ModelRunnerOutput(
+        {r.req_id: v.token_ids for r, v in zip(reqs, verified, strict=True)},
+        {r.req_id: v.logprobs for r, v in zip(reqs, verified, strict=True)
+         if v.logprobs is not None},
+    )
