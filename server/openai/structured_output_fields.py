@@ -77,12 +77,12 @@ class StructuredOutputFields(BaseModel):
                                   "json_schema", param="response_format")
             found.append(("response_format",
                           StructuredOutputsParams(json=rf.json_schema.json_schema)))
-        so = self.structured_outputs
-        if so is not None:
+        fields = self.structured_outputs
+        if fields is not None:
             spec = StructuredOutputsParams(
-                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                json_object=bool(so.json_object),
-                disable_any_whitespace=so.disable_any_whitespace)
+                json=fields.json_, regex=fields.regex, choice=fields.choice, grammar=fields.grammar,
+                json_object=bool(fields.json_object),
+                disable_any_whitespace=fields.disable_any_whitespace)
             if len(spec.kinds()) != 1:
                 raise OpenAIError(
                     "structured_outputs must set exactly one of json, regex, choice, grammar, "

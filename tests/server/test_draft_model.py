@@ -1,5 +1,5 @@
-"""Speculative decoding with a draft model (``gpu/spec_decode/draft_model.py``) through the real server:
-a model as its own draft accepts every greedy draft, also across preemption and prefix-cache
+"""Speculative decoding with a draft model (``gpu/spec_decode/draft_model.py``) through the real
+server: a model as its own draft accepts every greedy draft, also across preemption and prefix-cache
 hits (stale draft K/V would show as rejections); a random draft leaves the output unchanged;
 a draft with another tokenizer is refused at start."""
 

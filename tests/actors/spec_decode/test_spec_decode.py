@@ -1,5 +1,5 @@
-"""n-gram proposals and the ``--speculative-config`` parser (``actors/spec_decode/proposer.py``); the
-engine-level checks (greedy parity, exact stops) are in ``tests/server/test_spec_decode.py``."""
+"""n-gram proposals and the ``--speculative-config`` parser (``actors/spec_decode/proposer.py``);
+the engine-level checks (greedy parity, exact stops) are in ``tests/server/test_spec_decode.py``."""
 
 from __future__ import annotations
 

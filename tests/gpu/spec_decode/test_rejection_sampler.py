@@ -1,7 +1,8 @@
-"""The rejection sampler on its own (``gpu/spec_decode/rejection_sampler.py``): with a draft distribution
-``q`` (not only a point mass) the first emitted token is distributed as the target ``p``;
+"""The rejection sampler on its own (``gpu/spec_decode/rejection_sampler.py``): with a draft
+distribution ``q`` (not only a point mass) the first emitted token is distributed as the target ``p``;
 greedy rows keep drafts while they equal the argmax. The model-level checks (n-gram drafts
-on a real tiny Llama, 5,000 seeded samples) are in ``tests/actors/spec_decode/test_spec_sampling.py``."""
+on a real tiny Llama, 5,000 seeded samples) are in
+``tests/actors/spec_decode/test_spec_sampling.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Guided decoding through a real server on the tiny random Llama (greedy): how guided requests
 live with the rest of the engine — batchmates, streaming, max_tokens, preemption, errors — and
-the compile timeout (``WAITING_FOR_GRAMMAR``: ``tests/actors/structured_output/test_structured_output.py``)."""
+the compile timeout (``WAITING_FOR_GRAMMAR``:
+``tests/actors/structured_output/test_structured_output.py``)."""
 
 from __future__ import annotations
 
