@@ -129,8 +129,8 @@ class Scheduler(Actor[SchedulerMessage]):
                     continue
                 self.finished_req_ids |= scheduler_output.finished_req_ids  # not told yet
                 if not self.inflight:  # nothing fits now; wait for an abort or a new request
-                    meta = scheduler_output.kv_connector_metadata  # a KV transfer's loads, run
-                    # while waiting
+                    # (a KV transfer's loads, in the step's connector metadata, run meanwhile)
+                    meta = scheduler_output.kv_connector_metadata
                     if meta is not None or not self.beams.release_parked():  # else parked
                         await self._wait(meta)  # beams gave blocks back: schedule again
                     continue
