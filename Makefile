@@ -1,12 +1,14 @@
 # README's two commands: `make serve` and `make test`. Both build .venv from scratch if missing.
+# `make docs` builds the documentation site (docs/ -> site/).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 ARGS   ?=
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: serve test bench bench-serving clean
+.PHONY: serve test docs bench bench-serving clean
 
 # pip shows one line per package (Collecting, Installing: a few hundred lines in all, not
 # megabytes of bars): progress bars only when the output is a terminal.
@@ -34,8 +36,18 @@ $(CHROMIUM):
 	$$( [ "$$(id -u)" = 0 ] || echo sudo ) sh -c \
 	  'apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium'
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(DOCS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/pytest -q -x --durations=15 tests
+
+# MkDocs and its Material theme, pinned in docs/requirements.txt (a test builds the site too).
+$(DOCS_STAMP): docs/requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP_INSTALL) -r docs/requirements.txt
+	touch $(DOCS_STAMP)
+
+# The site, offline (the theme's fonts are the system's), failing on any warning.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) loadtest/bench_engine.py

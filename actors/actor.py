@@ -13,7 +13,7 @@ come (vLLM's ``EngineDeadError``).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Generic, TypeVar
 
 import structlog
 
@@ -21,20 +21,26 @@ from pagedserve.actors.errors import EngineDeadError
 
 log = structlog.get_logger(__name__)
 
+M = TypeVar("M")  # the messages an actor takes: one union per actor (actors/messages.py)
 
-class Actor:
+
+class Actor(Generic[M]):
     """Subclasses implement ``run()``: a loop that reads ``self.mailbox``; ``refuse`` and
-    ``on_crash`` when their messages carry replies or they hold requests."""
+    ``on_crash`` when their messages carry replies or they hold requests.
+
+    ``M`` is the actor's message type (``Actor[SchedulerMessage]``): sending anything else is a
+    type error, and a handler that ``match``es on it ends in ``assert_never``, so a message
+    added to the union and not handled is one too (``tests/test_typecheck.py`` runs mypy)."""
 
     name = "actor"
 
     def __init__(self) -> None:
-        self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.mailbox: asyncio.Queue[M] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.failure: str | None = None  # why the actor died; None while it lives
         self.dead = asyncio.Event()
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: M) -> None:
         """Post a message; never blocks (the mailbox is unbounded). To a dead actor, the
         message is refused at once (its reply, if any, fails with ``EngineDeadError``)."""
         if self.failure is not None:
@@ -72,7 +78,7 @@ class Actor:
         while not self.mailbox.empty():
             self.refuse(self.mailbox.get_nowait(), error)
 
-    def refuse(self, msg: Any, error: EngineDeadError) -> None:
+    def refuse(self, msg: M, error: EngineDeadError) -> None:
         """Answer ``msg`` with ``error`` instead of handling it: fail the futures it carries
         (``reply``, ``accepted``) that nobody answered yet."""
         for name in ("reply", "accepted"):

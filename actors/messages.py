@@ -1,4 +1,5 @@
-"""Messages between the request tasks, the scheduler actor and the executor actor."""
+"""Messages between the request tasks, the scheduler actor and the executor actor: one union
+per actor's mailbox (``SchedulerMessage``, ``ExecutorMessage``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve.actors.beam_search import BeamSearch
-from pagedserve.actors.request import Request
+from pagedserve.actors.beam.search import BeamSearch
+from pagedserve.actors.core.request import Request
 from pagedserve.gpu.batch import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 class AddRequest:
     """Request task → scheduler: queue a new request. ``accepted`` resolves once it is queued,
     or fails with ``EngineOverloaded`` / ``DuplicateRequestId``. With ``beam_search``, the
-    request is the root of a beam search (``actors/beam_group.py``)."""
+    request is the root of a beam search (``actors/beam/group.py``)."""
 
     request: Request
     accepted: asyncio.Future[None] | None = None
@@ -79,3 +80,9 @@ class ExecuteModel:
 
     scheduler_output: SchedulerOutput
     reply: asyncio.Future[ModelRunnerOutput]
+
+
+# What each actor's mailbox takes (``Actor[M]``); the scheduler matches on every member.
+SchedulerMessage = (AddRequest | AbortRequest | GrammarReady | AbortAll | GetStats
+                    | NotifyWhenIdle | ResetPrefixCache)
+ExecutorMessage = ExecuteModel

@@ -16,7 +16,8 @@ Live snapshots are typed too (the split of vLLM's ``vllm/v1/metrics/stats.py``):
 scheduler's ``GetStats`` reply is a ``StatsSnapshot`` (``SchedulerStats``, ``KVCacheStats``,
 the recent ``StepStats``, a ``Throughput``), built in the actor's own task from plain values;
 ``AsyncEngine.get_stats`` adds the model and the settings (``EngineStats``). Values are raw
-(seconds, fractions); rounding and JSON keys belong to the HTTP edge (``server/stats_json.py``).
+(seconds, fractions); rounding and JSON keys belong to the HTTP edge
+(``server/admin/stats_json.py``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pagedserve.actors.request import Request
+from pagedserve.actors.core.request import Request
 
 if TYPE_CHECKING:
-    from pagedserve.gpu.model_runner import ModelInfo
+    from pagedserve.gpu.model_info import ModelInfo
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class RequestUpdate:
         e2e_s: arrival → end, on the last update.
         finished: the whole request's figures, on the last update (vLLM's per-request
             histograms).
-        pooling: a pooling request's one update (``actors/pooling.py``): its prompt and its
+        pooling: a pooling request's one update (``actors/engine/pooling.py``): its prompt and its
             end, counted apart from generation requests.
     """
 
@@ -264,7 +265,7 @@ class SchedulerStats:
         requests: the waiting and running requests, running first.
         num_beam_forks_total: beams forked by beam searches (each shares its parent's blocks
             and copies at most its last partial block).
-        max_batches_in_flight: most steps the executor held at once (``actors/inflight.py``).
+        max_batches_in_flight: most steps the executor held at once (``actors/core/inflight.py``).
         num_scheduled_ahead_total: requests put in a step while in another one in flight.
     """
 
@@ -297,7 +298,7 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class KVTransferStats:
-    """A KV connector's work on this instance (``actors/kv_transfer.py``), in prompt tokens and
+    """A KV connector's work on this instance (``actors/kv/transfer.py``), in prompt tokens and
     requests: tokens loaded vs computed, loads that failed, requests parked for a remote load,
     and finished requests whose blocks are held for a consumer (with the blocks they hold)."""
 

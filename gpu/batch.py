@@ -11,10 +11,10 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from pagedserve.gpu.lora.request import LoRARequest
-from pagedserve.gpu.pooling_params import PoolingParams
-from pagedserve.gpu.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
-from pagedserve.gpu.sampler import TokenLogprobs
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
+from pagedserve.gpu.sample.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsWanted
+from pagedserve.gpu.sample.sampler import TokenLogprobs
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -56,10 +56,10 @@ class ScheduledRequest:
         spec_token_ids: draft tokens (speculative decoding) computed after ``token_ids`` in
             the same step; the runner returns the accepted ones plus one (greedy requests).
         prompt_logprobs: set on a prefill chunk whose request wants prompt logprobs (its
-            logits rows are computed too: ``gpu/prompt_logprobs.py``); else ``None``.
+            logits rows are computed too: ``gpu/sample/prompt_logprobs.py``); else ``None``.
         lora_request: the adapter the request runs with (``gpu/lora/``); ``None``: the base.
         pooling_params: a pooling request's (``--runner pooling``): its chunks are pooled
-            (``gpu/pooler.py``) and nothing is sampled; ``sample`` marks its last chunk.
+            (``gpu/pooling/pooler.py``) and nothing is sampled; ``sample`` marks its last chunk.
     """
 
     req_id: str

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagedserve.gpu.kv_connector.base import KVTransferConfig
 from pagedserve.gpu.kv_connector.config import parse_kv_transfer_config
 from pagedserve.gpu.lora.config import LoRAConfig
-from pagedserve.gpu.pooling_params import PoolerConfig, parse_pooler_config
+from pagedserve.gpu.pooling.pooling_params import PoolerConfig, parse_pooler_config
 
 # The name the embedded default model is served under (here, not in the loader, so that the
 # CLI can show it without importing torch).
@@ -69,7 +69,7 @@ class ModelConfig:
     cpu_linear_mode: str = field(default="auto", metadata={
         "help": "GGUF linears on the CPU: exact = float32 products of the de-quantized weights "
                 "(greedy output equals transformers'); int8 = activations quantized to 8 bits "
-                "per 32 values, integer products (faster, output differs: README); auto = "
+                "per 32 values, integer products (faster, output differs: docs); auto = "
                 "the faster per batch size as measured for this CPU tier, exact when --dtype "
                 "float32 is given",
         "choices": ("exact", "int8", "auto"),

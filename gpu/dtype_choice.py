@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.gpu import gguf_linear, linear_bands, loader
+from pagedserve.gpu import gguf_linear, loader
 from pagedserve.gpu.config import ModelConfig
+from pagedserve.gpu.cpu import linear_bands
 from pagedserve.kernels import cpu_isa, cpu_ops
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

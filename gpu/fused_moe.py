@@ -99,7 +99,7 @@ class FusedMoE(nn.Module):
         expert's two weights in oneDNN's layout, the grouped originals dropped (one copy).
         ``F.linear`` would re-lay-out an expert's weight at every call: ~30x slower at a
         decode's few rows (measured here, noisy)."""
-        from pagedserve.gpu.cpu_gemm import pack_weight
+        from pagedserve.gpu.cpu.gemm import pack_weight
 
         self.packed = [(pack_weight(self.gate_up_proj[e]), pack_weight(self.down_proj[e]))
                        for e in range(self.num_experts)]
@@ -109,7 +109,7 @@ class FusedMoE(nn.Module):
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            from pagedserve.gpu.cpu_gemm import packed_linear
+            from pagedserve.gpu.cpu.gemm import packed_linear
 
             gate_up, down = self.packed[e]
             return packed_linear(self.ops.silu_and_mul(packed_linear(rows, gate_up)), down)

@@ -133,8 +133,7 @@ def _read_index(path: Path):
     Raises:
         ValueError: not such a file (the caller falls back to ``GGUFReader``).
     """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
-    from gguf.quants import quant_shape_to_byte_shape
+    from gguf import GGMLQuantizationType
 
     data = np.memmap(path, mode="r")
     buf = data._mmap  # the mmap itself: struct reads without numpy per field
@@ -184,6 +183,16 @@ def _read_index(path: Path):
         pos += 4 + 8 * n_dims + 12
         infos.append((name, dims, GGMLQuantizationType(qtype), offset))
     start = -(-pos // alignment) * alignment
+    return arch, _tensor_views(path, data, infos, start), data, metadata
+
+
+def _tensor_views(path: Path, data: np.memmap, infos: list, start: int) -> dict:
+    """``{name: gguf.ReaderTensor}`` over the mapping, each tensor's ``data`` shaped as
+    ``GGUFReader`` shapes it (bytes for block types), from the header's ``(name, dims, type,
+    offset)`` entries and the data section's ``start``."""
+    from gguf import GGML_QUANT_SIZES, ReaderTensor
+    from gguf.quants import quant_shape_to_byte_shape
+
     tensors = {}
     for name, dims, qtype, offset in infos:
         n_elems = int(np.prod(dims))
@@ -201,7 +210,7 @@ def _read_index(path: Path):
         tensors[name] = ReaderTensor(name=name, tensor_type=qtype,
                                      shape=np.array(dims, dtype=np.uint64), n_elements=n_elems,
                                      n_bytes=n_bytes, data_offset=at, data=view, field=None)
-    return arch, tensors, data, metadata
+    return tensors
 
 
 def layer_norms(arch: str) -> dict[str, str]:

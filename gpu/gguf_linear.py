@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpu import linear_bands
+from pagedserve.gpu.cpu import linear_bands
 from pagedserve.kernels import cpu_ops, gguf_ops
 
 PART_PATHS = ("exact", "int8", "float")

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from pagedserve.gpu import gguf_file as gf
+from pagedserve.gpu.cpu.linear_bands import LinearPlan
 from pagedserve.gpu.fused_moe import FusedMoE
 from pagedserve.gpu.gguf_linear import (
     GGUFEmbedding,
@@ -48,7 +49,6 @@ from pagedserve.gpu.gguf_linear import (
     unpermute,
 )
 from pagedserve.gpu.gguf_moe import GGUFFusedMoE
-from pagedserve.gpu.linear_bands import LinearPlan
 from pagedserve.gpu.loader import ModelLoadError
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.llama import LlamaForCausalLM

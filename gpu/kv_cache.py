@@ -12,7 +12,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedserve.gpu.config import KV_CACHE_DTYPES, CacheConfig, default_cpu_kv_cache_bytes
-from pagedserve.gpu.memory import lazy_zeros
+from pagedserve.gpu.cpu.memory import lazy_zeros
 from pagedserve.kernels import kv_quant
 
 # ``--kv-cache-dtype`` names (vLLM's, and int8) of the 8-bit caches; ``auto`` is the model's.
@@ -73,7 +73,7 @@ def num_blocks_for(
 ) -> int:
     """How many blocks the budget holds, with caches of ``dtype`` (``cache_dtype``), each block
     also costing ``extra_bytes_per_block`` (a draft model's K/V in the same block layout,
-    ``gpu/draft_model.py``).
+    ``gpu/spec_decode/draft_model.py``).
 
     CPU: ``kv_cache_memory_bytes`` (default ``$VLLM_CPU_KVCACHE_SPACE`` GiB, else 4 GiB, as vLLM).
     CUDA: ``gpu_memory_utilization`` of the

@@ -7,83 +7,43 @@ flattened batch of every scheduled request (prefill chunks and decodes together)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import structlog
 import torch
 from transformers import PretrainedConfig
 
-from pagedserve.gpu import (
-    cpu_gemm,
-    gguf_linear,
-    gguf_load,
-    kv_cache,
-    loader,
-    memory,
-    prompt_logprobs,
-)
-from pagedserve.gpu.attention import AttentionBackend, get_attention_backend
+from pagedserve.gpu import gguf_linear, gguf_load, kv_cache, loader
+from pagedserve.gpu.attention import AttentionBackend
 from pagedserve.gpu.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, order_batch
 from pagedserve.gpu.config import CacheConfig, DraftModelConfig, ModelConfig
+from pagedserve.gpu.cpu import memory
+from pagedserve.gpu.cpu.thread_governor import ThreadGovernor
 from pagedserve.gpu.cuda_graph import CudaGraphRunner
-from pagedserve.gpu.draft_model import DraftModel
 from pagedserve.gpu.dtype_choice import (
     keeps_gguf_in_place,
     pick_dtype,
-    pick_linear_plan,
-    pick_quantization,
 )
-from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.gpu.kv_connector import worker_step
-from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.gpu.lora.manager import LoRAManager, lora_kernel
+from pagedserve.gpu.model_builder import build_model, eos_token_ids
+from pagedserve.gpu.model_info import ModelInfo
 from pagedserve.gpu.models import registry
 from pagedserve.gpu.models.adapters import CausalLMForEmbedding
 from pagedserve.gpu.models.llama import LlamaForCausalLM
-from pagedserve.gpu.models.rope import longrope_factors
-from pagedserve.gpu.parallel import gguf_ranks
 from pagedserve.gpu.parallel import weights as parallel_weights
 from pagedserve.gpu.parallel.comm import ParallelContext
-from pagedserve.gpu.pooling_runner import PoolingInfo, PoolingRunner
+from pagedserve.gpu.pooling.pooling_runner import PoolingRunner
 from pagedserve.gpu.prev_sampled import PrevSampled
-from pagedserve.gpu.rejection_sampler import DraftedRequest, rejection_sample
-from pagedserve.gpu.sampler import SampleRow, sample
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample import prompt_logprobs
+from pagedserve.gpu.sample.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.sample.request_state import SamplingState
+from pagedserve.gpu.sample.sampler import SampleRow, sample
+from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.gpu.spec_decode.draft_model import DraftModel
+from pagedserve.gpu.spec_decode.rejection_sampler import verify_drafts
 from pagedserve.gpu.step_inputs import prepare_inputs
-from pagedserve.gpu.thread_governor import ThreadGovernor
-from pagedserve.kernels import cpu_ops
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    """What the engine needs to know once the model is loaded."""
-
-    served_name: str
-    path: str
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    dtype: str
-    device: str
-    eos_token_ids: list[int]
-    load_seconds: float
-    vocab_size: int
-    attention_backend: str = "torch"
-    quantization: str = "none"  # "gguf" when the file's quantized blocks are kept
-    source: str = ""  # what was loaded: the .gguf file, else the Hugging Face folder
-    kv_cache_bytes: int = 0  # the K and V tensors allocated (a draft model's included)
-    kv_cache_dtype: str = ""  # what the K/V blocks are stored in (``--kv-cache-dtype``)
-    # Tensor/pipeline parallel: per rank, what it holds and its pid (``RankLayout.describe``).
-    parallel_layout: list[dict] | None = None
-    cpu_linear_paths: list[dict] | None = None  # GGUF linears: path per batch band
-    weights_resident: dict | None = None  # a GGUF's weights: form and bytes (``ModelRunner``)
-    runner: str = "generate"  # or "pooling" (``--runner``): prefill-only requests, pooled
-    pooling: PoolingInfo | None = None  # the pooling model's settings (``--runner pooling``)
-    # Every layer's window (the largest), when blocks before it may be released
-    # (``ModelRunner.kv_sliding_window``); None: every block stays.
-    kv_sliding_window: int | None = None
 
 
 class ModelRunner:
@@ -102,7 +62,7 @@ class ModelRunner:
     ):
         """``max_num_batched_tokens``/``max_num_seqs``: the scheduler's limits, i.e. the largest
         step, which the CUDA path profiles (KV sizing) and captures (decode graphs).
-        ``draft``: a draft model for speculative decoding (``gpu/draft_model.py``);
+        ``draft``: a draft model for speculative decoding (``gpu/spec_decode/draft_model.py``);
         ``parallel``: this rank's share of a tensor/pipeline-parallel model (``gpu/worker.py``)."""
         self.parallel = parallel
         self.model_config = model_config
@@ -127,10 +87,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer
         # _capture_cuda_graphs()
         self.cuda_graphs: CudaGraphRunner | None = None
-        # Per live request: its seeded RNG, every token computed so far (penalties read them),
-        # its last sampled token (the input of a step built ahead: --async-scheduling).
-        self.generators: dict[str, torch.Generator] = {}
-        self.token_ids: dict[str, list[int]] = {}
+        # Per live request: its seeded RNG and every token computed so far (penalties read
+        # them), its last sampled token (the input of a step built ahead: --async-scheduling).
+        self.sampling = SamplingState()
         self.prev_sampled = PrevSampled()
         self.draft = DraftModel(draft) if draft is not None else None
         self.kv_connector: worker_step.ConnectorStep | None = None  # load(), when configured
@@ -152,6 +111,7 @@ class ModelRunner:
             self._quantization_flag(), resolved, self.device)
         self.dtype = pick_dtype(mc.dtype, self.device, in_place)
         self.kv_dtype = kv_cache.cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
+        self.sampling.device = self.device
         self.threads = ThreadGovernor.start() if self.device.type == "cpu" else None
         torch.manual_seed(mc.seed)
         model_bytes = self._build_model(resolved)
@@ -178,52 +138,29 @@ class ModelRunner:
         return q if self.parallel is None else q or "none"
 
     def _build_model(self, resolved: loader.ResolvedModel) -> int:
-        """Config, attention backend and layer ops, then the model with its weights (quantized
-        or packed where that runs faster). Returns the bytes the weights take."""
+        """The model with its weights (``gpu/model_builder.py``), its LoRA adapters'
+        layers around the final linears (packed, quantized or a shard) with
+        ``--enable-lora``, and its pooling head with ``--runner pooling``. Returns the bytes
+        the weights take."""
         mc = self.model_config
-        self.hf_config = loader.load_config(resolved.path)
-        self.max_model_len = mc.max_model_len or registry.derived_max_model_len(self.hf_config)
-        runner = registry.resolve_runner(self.hf_config, mc.runner, mc.convert)
-        window = registry.unhonoured_sliding_window(self.hf_config)
-        if window is not None and self.max_model_len > window:
-            raise loader.ModelLoadError(
-                f"--max-model-len {self.max_model_len} is longer than the model's sliding "
-                f"window ({window} tokens), which pagedserve's attention does not apply yet: "
-                f"use --max-model-len {window} or less (outputs are exact within it)")
-        if (factors := longrope_factors(self.hf_config, self.max_model_len)) is not None:
-            log.info("longrope_factors", factors=factors, max_model_len=self.max_model_len)
-        self.attn_backend = get_attention_backend(self.device, self.dtype)
-        kv_cache.check_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.kv_dtype,
-                                      self.attn_backend)
-        ops = get_layer_ops(self.attn_backend.name, self.dtype)
-        layout = None if self.parallel is None else self.parallel.layout
-        self.quantization = pick_quantization(self._quantization_flag(), resolved, self.device,
-                                              self.dtype)
-        plan = pick_linear_plan(mc, self.dtype) if self.quantization == "gguf" else None
-        # The file read in place by one process or a pipeline stage (no tensor split).
-        if resolved.gguf_file is not None and (layout is None or layout.tp_size == 1):
-            model, self.gguf_weights = gguf_load.load_gguf_model(
-                resolved.gguf_file, self.hf_config, self.attn_backend, self.max_model_len, ops,
-                self.device, self.dtype, plan, self.parallel)
-        else:
-            model = self._load_folder(resolved, ops, layout, plan)
-        if plan is not None:
-            log.info("gguf_linear_paths", cpu_linear_mode=plan.mode, tier=plan.tier,
-                     isa=cpu_ops.isa_level(), bands=plan.describe(),
-                     file=str(resolved.gguf_file))
-        model_bytes = memory.weights_bytes(model)
-        if cpu_gemm.can_pack(self.dtype, self.device):
-            cpu_gemm.pack_linears(model)
-        if mc.lora is not None:  # around the final linears (packed, quantized or a shard)
+        built = build_model(resolved, mc, self.cache_config, self.parallel, self.device,
+                            self.dtype, self.kv_dtype, self._quantization_flag())
+        self.hf_config, self.max_model_len = built.hf_config, built.max_model_len
+        self.attn_backend, self.quantization = built.attn_backend, built.quantization
+        self.gguf_weights = built.gguf_weights
+        model = built.model
+        if mc.lora is not None:
+            layout = None if self.parallel is None else self.parallel.layout
             shard = None if layout is None else parallel_weights.shard_plan(self.hf_config,
                                                                             layout)
             self.lora = LoRAManager(model, mc.lora, self.hf_config, self.dtype, self.device,
                                     shard, lora_kernel(self.device, self.dtype, mc.lora))
         self.model = model.eval()
-        self.eos_token_ids = self._eos_token_ids(resolved.path)
-        if runner == "pooling":
+        self.eos_token_ids = eos_token_ids(resolved.path, self.hf_config)
+        self.sampling.eos_token_ids = self.eos_token_ids
+        if built.runner == "pooling":
             self._build_pooling(resolved)
-        return model_bytes
+        return built.model_bytes
 
     def _build_pooling(self, resolved: loader.ResolvedModel) -> None:
         """``--runner pooling``: the model's final hidden states go to a pooler (a decoder
@@ -234,25 +171,6 @@ class ModelRunner:
                  else CausalLMForEmbedding(self.model))
         self.pooling = PoolingRunner(model, self.hf_config, self.model_config.pooler_config,
                                      resolved.path, self.block_size, self.device)
-
-    def _load_folder(self, resolved: loader.ResolvedModel, ops, layout,
-                     plan) -> LlamaForCausalLM:
-        """A Hugging Face folder's weights (a rank's share under parallelism); a GGUF's
-        tensor-parallel rank reads them from transformers' de-quantized copy and its blocks
-        from the file (``parallel/gguf_ranks.py``)."""
-        folder = resolved.path if resolved.gguf_file is None else loader.convert_gguf(
-            resolved.gguf_file)
-        cls = registry.model_class(self.hf_config)
-        model = cls.build(self.hf_config, self.attn_backend, self.max_model_len,
-                                       ops, self.device, self.dtype, self.parallel)
-        shard = None if layout is None else parallel_weights.read_shard(
-            folder, parallel_weights.shard_plan(self.hf_config, layout))
-        loader.load_weights(model, folder, shard)
-        if plan is not None:
-            swapped = gguf_ranks.quantize_model(model, resolved.gguf_file, self.hf_config,
-                                                layout, cache_dir=folder, plan=plan)
-            log.info("gguf_quantized_linears", modules=swapped, file=str(resolved.gguf_file))
-        return model
 
     def _log_memory(self) -> None:
         """What the resident memory is made of, once loading has let go of what it freed."""
@@ -385,80 +303,58 @@ class ModelRunner:
         log.info("cuda_graphs_ready", seconds=round(time.perf_counter() - start, 2),
                  rank=None if self.parallel is None else self.parallel.layout.rank)
 
-    def _eos_token_ids(self, path) -> list[int]:
-        """EOS ids from the generation config (may list several), else the model config."""
-        from transformers import GenerationConfig
-
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:
-            eos = None
-        if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
-        return [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
-
-    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
-        seed = r.sampling_params.seed
-        if seed is None or r.sampling_params.greedy:
-            return None
-        if (gen := self.generators.get(r.req_id)) is None:
-            gen = self.generators[r.req_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-        return gen
-
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step; with a KV connector, between its loads and saves (``worker_step``)."""
         if self.kv_connector is None:
-            return self._execute_model(so)
-        return self.kv_connector.run(so, self._execute_model)
+            return self._execute_model(scheduler_output)
+        return self.kv_connector.run(scheduler_output, self._execute_model)
 
-    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One forward pass and sampling for every scheduled request."""
-        for req_id in so.finished_req_ids:
-            self.generators.pop(req_id, None)
-            self.token_ids.pop(req_id, None)
+    def _forget(self, req_ids: set[str]) -> None:
+        """The requests that ended since the last step: drop what was kept for them."""
+        for req_id in req_ids:
+            self.sampling.forget(req_id)
             self.prev_sampled.forget(req_id)
             if self.draft is not None:
                 self.draft.forget(req_id)
             if self.pooling is not None:
                 self.pooling.forget(req_id)
-        kv_cache.copy_blocks(self.kv_caches, so.blocks_to_copy)  # beams' copy-on-write
-        if self.draft is not None and self.draft.kv_caches:  # the draft's KV shares block ids
-            kv_cache.copy_blocks(self.draft.kv_caches, so.blocks_to_copy)
-        if not so.scheduled:
+
+    def _forward(self, reqs: list[ScheduledRequest], wants_prompt_lps: bool) -> torch.Tensor:
+        """The step's logits: a captured decode graph's when one fits, else an eager pass.
+        Prompt logprobs take extra logits rows, which a captured graph does not compute.
+        Replay or not is decided from the step alone: under parallelism every rank gets the
+        same step, so all replay (and meet in the graphs' collectives) or all run eagerly."""
+        if (self.cuda_graphs is not None and not wants_prompt_lps
+                and self.cuda_graphs.can_run(reqs)):
+            return self.cuda_graphs.run(reqs)
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.batch.invalidate()
+        if self.lora is not None:
+            self.lora.set_step(reqs)
+        return self.model(prepare_inputs(reqs, self.block_size, self.device), self.kv_caches)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward pass and sampling for every scheduled request."""
+        self._forget(scheduler_output.finished_req_ids)
+        # Beams' copy-on-write (the draft's KV shares the block ids).
+        kv_cache.copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
+        if self.draft is not None and self.draft.kv_caches:
+            kv_cache.copy_blocks(self.draft.kv_caches, scheduler_output.blocks_to_copy)
+        if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
         if self.threads is not None:  # fewer CPU threads while another process holds a core
             self.threads.tick()
         if self.pooling is not None:
-            return self.pooling.execute(so.scheduled, self.kv_caches)
+            return self.pooling.execute(scheduler_output.scheduled, self.kv_caches)
         if self.draft is not None:
-            self._propose_drafts(so.scheduled)
+            self.draft.propose_step(scheduler_output.scheduled, self.sampling.token_ids)
         verify_start = time.perf_counter()
-        self.prev_sampled.fill(so.scheduled)
-        for r in so.scheduled:
-            known = self.token_ids.setdefault(r.req_id, [])
-            if r.prefix_token_ids is not None:
-                known[:] = r.prefix_token_ids
-            # Recompute after preemption rewrites the tail, as does the step after drafts.
-            del known[r.num_computed_tokens :]
-            known.extend(r.token_ids)
-            known.extend(r.spec_token_ids)
-        reqs = order_batch(so.scheduled)
-        # Prompt logprobs take extra logits rows, which a captured graph does not compute.
-        # Replay or not is decided from the step alone: under parallelism every rank gets the
-        # same step, so all replay (and meet in the graphs' collectives) or all run eagerly.
+        self.prev_sampled.fill(scheduler_output.scheduled)
+        self.sampling.record(scheduler_output.scheduled)
+        reqs = order_batch(scheduler_output.scheduled)
         wants_prompt_lps = any(r.prompt_logprobs is not None for r in reqs)
-        if (self.cuda_graphs is not None and not wants_prompt_lps
-                and self.cuda_graphs.can_run(reqs)):
-            logits = self.cuda_graphs.run(reqs)
-        else:
-            if self.cuda_graphs is not None:
-                self.cuda_graphs.batch.invalidate()
-            if self.lora is not None:
-                self.lora.set_step(reqs)
-            logits = self.model(prepare_inputs(reqs, self.block_size, self.device),
-                                self.kv_caches)
+        logits = self._forward(reqs, wants_prompt_lps)
         sampled_reqs = [r for r in reqs if r.sample]
         prompt_lps: dict[str, prompt_logprobs.PromptLogprobsChunk] = {}
         if wants_prompt_lps and logits is not None:
@@ -466,75 +362,30 @@ class ModelRunner:
             logits, prompt_lps = prompt_logprobs.split_logits(logits, reqs, num_rows)
         if not sampled_reqs or logits is None:  # None: another rank samples
             return ModelRunnerOutput({}, prompt_logprobs=prompt_lps)
-        if so.grammar_bitmask is not None:
-            self._apply_grammar(logits, so, sampled_reqs)
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar(logits, scheduler_output, sampled_reqs)
         if any(r.spec_token_ids for r in sampled_reqs):
-            out = self._verify_drafts(logits, sampled_reqs)
-            out.prompt_logprobs = prompt_lps
-            out.verify_seconds = time.perf_counter() - verify_start
+            runner_output = verify_drafts(logits, sampled_reqs, self.sampling.row, self.draft)
+            runner_output.prompt_logprobs = prompt_lps
+            runner_output.verify_seconds = time.perf_counter() - verify_start
             if self.draft is not None:
-                out.draft_seconds = self.draft.times.take()
-            return out
-        out = sample(logits, [self._row(r) for r in sampled_reqs])
+                runner_output.draft_seconds = self.draft.times.take()
+            return runner_output
+        sampled = sample(logits, [self.sampling.row(r) for r in sampled_reqs])
         return self.prev_sampled.record(ModelRunnerOutput(
-            {r.req_id: [t] for r, t in zip(sampled_reqs, out.token_ids)},
-            {r.req_id: [lp] for r, lp in zip(sampled_reqs, out.logprobs) if lp is not None},
+            {r.req_id: [t] for r, t in zip(sampled_reqs, sampled.token_ids)},
+            {r.req_id: [lp] for r, lp in zip(sampled_reqs, sampled.logprobs) if lp is not None},
             prompt_lps,
         ))
 
     @staticmethod
-    def _apply_grammar(logits: torch.Tensor, so: SchedulerOutput,
+    def _apply_grammar(logits: torch.Tensor, scheduler_output: SchedulerOutput,
                        reqs: list[ScheduledRequest]) -> None:
         """Mask each guided row with its bitmask row: one logits row per request, k + 1 with
         drafts, and a guided request with drafts has k + 1 consecutive bitmask rows from its
         ``structured_output_request_ids`` entry (the grammar's state after each draft)."""
-        first = so.structured_output_request_ids
+        first = scheduler_output.structured_output_request_ids
         keys = [(r.req_id, j) for r in reqs for j in range(len(r.spec_token_ids) + 1)]
         rows = {f"{rid}/{j}": first[rid] + j for rid, j in keys if rid in first}
-        apply_grammar_bitmask(logits, so.grammar_bitmask, rows, [f"{rid}/{j}" for rid, j in keys])
-
-    def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> None:
-        """The draft model fills the draft slots (placeholders from the scheduler) of the
-        decodes that have them; every request's draft K/V is reset if it was rebuilt."""
-        drafting = []
-        for r in scheduled:
-            self.draft.reset_if_rebuilt(r)
-            if r.spec_token_ids:
-                drafting.append(r)
-        if not drafting:
-            return
-        tokens = {r.req_id: self.token_ids[r.req_id][: r.num_computed_tokens] + r.token_ids
-                  for r in drafting}  # a decode's tokens: the runner has seen all before it
-        self.draft.propose(drafting, tokens)
-
-    def _verify_drafts(self, logits: torch.Tensor, reqs: list[ScheduledRequest]):
-        """Verify every request's drafts by rejection sampling (``gpu/rejection_sampler.py``):
-        a request with k drafts has k + 1 rows, row ``j`` processed with the first ``j`` drafts
-        in its history; it gets back its accepted drafts plus one token. Requests without
-        drafts are the ``k = 0`` case: plain sampling of their one row."""
-        drafted = [DraftedRequest([self._row(r, j) for j in range(len(r.spec_token_ids) + 1)],
-                                  r.spec_token_ids) for r in reqs]
-        verified = rejection_sample(logits, drafted)
-        if self.draft is not None:
-            for r, v in zip(reqs, verified, strict=True):
-                if r.spec_token_ids:
-                    self.draft.accepted(r, len(v.token_ids) - 1)
-        return ModelRunnerOutput(
-            {r.req_id: v.token_ids for r, v in zip(reqs, verified, strict=True)},
-            {r.req_id: v.logprobs for r, v in zip(reqs, verified, strict=True)
-             if v.logprobs is not None},
-        )
-
-    def _row(self, r: ScheduledRequest, num_drafts: int = 0) -> SampleRow:
-        """The sampling row after ``r``'s tokens and its first ``num_drafts`` drafts."""
-        p = r.sampling_params
-        # Slicing the history costs a copy per step: only for rows that read it.
-        tokens = self.token_ids[r.req_id] if p.needs_history or p.min_tokens else []
-        end = len(tokens) - len(r.spec_token_ids) + num_drafts
-        return SampleRow(
-            params=p, generator=self._generator(r),
-            prompt_ids=tokens[: r.num_prompt_tokens],
-            output_ids=tokens[r.num_prompt_tokens : end],
-            stop_ids=[*self.eos_token_ids, *p.stop_token_ids] if not p.ignore_eos
-            else list(p.stop_token_ids),
-        )
+        apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows,
+                              [f"{rid}/{j}" for rid, j in keys])

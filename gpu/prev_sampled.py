@@ -1,6 +1,6 @@
 """The token each request sampled last on this runner, for the steps the scheduler built ahead.
 
-Under ``--async-scheduling`` (``actors/inflight.py``) the scheduler sends step k+1 before it
+Under ``--async-scheduling`` (``actors/core/inflight.py``) the scheduler sends step k+1 before it
 has step k's tokens: a decode of step k+1 carries ``PREV_SAMPLED`` as its input token, and
 the runner, which ran step k just before on the same thread, puts in the token it sampled then.
 vLLM V1's ``gpu_model_runner`` keeps the previous step's sampled ids on the device for the same
@@ -32,12 +32,12 @@ class PrevSampled:
                                        "it never sampled")
                 r.token_ids = [token]
 
-    def record(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+    def record(self, runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Keep each request's last token of ``out``; returns ``out``."""
-        for req_id, tokens in out.sampled_token_ids.items():
+        for req_id, tokens in runner_output.sampled_token_ids.items():
             if tokens:
                 self._last[req_id] = tokens[-1]
-        return out
+        return runner_output
 
     def forget(self, req_id: str) -> None:
         self._last.pop(req_id, None)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.gpu import prompt_logprobs
 from pagedserve.gpu.attention import AttentionMetadata
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
+from pagedserve.gpu.sample import prompt_logprobs
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class StepInputs:
         attn: the attention metadata (slots, block tables, lengths, the ``BatchLayout``).
         logits_indices: ``[S]`` int64 rows of ``input_ids`` whose logits are sampled: each
             sampling request's last token, and with drafts each draft's too; then, for prefill
-            chunks that want prompt logprobs, their prompt rows (``gpu/prompt_logprobs.py``).
+            chunks that want prompt logprobs, their prompt rows (``gpu/sample/prompt_logprobs.py``).
     """
 
     input_ids: torch.Tensor

@@ -2,7 +2,7 @@
 weights and of the KV cache and runs the ordinary ``ModelRunner`` on it (vLLM's
 ``vllm/v1/executor/multiproc_executor.py`` ``WorkerProc``; read to learn only).
 
-The executor (``actors/multiproc_executor.py``) talks to each worker over one pipe:
+The executor (``actors/executor/multiproc.py``) talks to each worker over one pipe:
 
 - ``("load",)`` → every worker loads; each answers ``("ok", (ModelInfo, its layout))``;
 - ``("step", SchedulerOutput)`` → every worker runs the step; only the rank that samples (the
@@ -106,8 +106,8 @@ class Worker:
 
     def execute(self, scheduler_output):
         """The step's ``ModelRunnerOutput`` on the rank that samples, ``None`` elsewhere."""
-        out = self.runner.execute_model(scheduler_output)
-        return out if self.runner.parallel.layout.is_driver else None
+        runner_output = self.runner.execute_model(scheduler_output)
+        return runner_output if self.runner.parallel.layout.is_driver else None
 
     def stop(self) -> None:
         if self.runner is not None:
@@ -155,9 +155,9 @@ def _serve(worker: Worker, conn: Connection) -> None:
             if kind == "load":
                 conn.send(("ok", worker.load()))
             elif kind == "step":
-                out = worker.execute(msg[1])
-                if out is not None:
-                    conn.send(("ok", out))
+                runner_output = worker.execute(msg[1])
+                if runner_output is not None:
+                    conn.send(("ok", runner_output))
         except Exception as e:
             conn.send(("error", f"rank {worker.spec.rank}: {type(e).__name__}: {e}"))
             sys.exit(1)

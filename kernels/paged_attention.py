@@ -87,6 +87,19 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
+    _store_split(out_ptr, part_out_ptr, part_lse_ptr, m, l_sum, acc, seq, split, heads, offs_d,
+                 g_mask, gd_mask, stride_ob, stride_oh, HEAD_SIZE, GROUP, NUM_SPLITS)
+
+
+@triton.jit
+def _store_split(
+    out_ptr, part_out_ptr, part_lse_ptr, m, l_sum, acc, seq, split, heads, offs_d,
+    g_mask, gd_mask, stride_ob, stride_oh,
+    HEAD_SIZE: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """A split's result (inlined into ``_decode_kernel``): with one split, the output rows of
+    the query heads; with several, each head's partial output and its log-sum-exp for
+    ``_reduce_splits_kernel``."""
     has_tokens = l_sum > 0  # false for an empty split (or a padded sequence of length 0)
     o = acc / tl.where(has_tokens, l_sum, 1.0)[:, None]
     if NUM_SPLITS == 1:

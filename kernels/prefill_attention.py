@@ -78,30 +78,49 @@ def _prefill_kernel(
         kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
                                  kv_head * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = _load_tile(k_cache_ptr, kv_off, offs_d, kv_mask, DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # s: [M, N]
         if HAS_CAP:
             s = soft_cap(s, cap)
-        live = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        if HAS_WINDOW:  # a later row's window may start past this tile: the masked step
-            live = live & (pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(live, s, float("-inf"))
-            m_i, l_i, acc, p = online_softmax_step_masked(m_i, l_i, acc, s)
-        else:
-            s = tl.where(live, s, float("-inf"))
-            m_i, l_i, acc, p = online_softmax_step(m_i, l_i, acc, s)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        m_i, l_i, acc, p = _causal_softmax_step(m_i, l_i, acc, s, pos, q_pos, n_mask, window,
+                                                HAS_WINDOW)
+        v = _load_tile(v_cache_ptr, kv_off, offs_d, kv_mask, DOT_FP32)
         acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only for padding rows (not stored)
-    tl.store(
-        out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
-    )
+    _store_rows(out_ptr, o, q_start + offs_m, head, offs_d, m_mask, d_mask, stride_ot, stride_oh)
+
+
+@triton.jit
+def _store_rows(out_ptr, o, rows, head, offs_d, m_mask, d_mask, stride_ot, stride_oh):
+    """The tile's output rows of ``head`` (inlined into ``_prefill_kernel``)."""
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _load_tile(cache_ptr, kv_off, offs_d, kv_mask, DOT_FP32: tl.constexpr):
+    """A K or V tile (inlined into ``_prefill_kernel``): ``[N, D]`` through the block table's
+    offsets, float32 when the dots run in float32."""
+    tile = tl.load(cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _causal_softmax_step(m_i, l_i, acc, s, pos, q_pos, n_mask, window, HAS_WINDOW: tl.constexpr):
+    """One K/V tile's online-softmax step (inlined into ``_prefill_kernel``): each query row
+    sees the keys at or before its position (and, with a window, within it)."""
+    live = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+    if HAS_WINDOW:  # a later row's window may start past this tile: the masked step
+        live = live & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(live, s, float("-inf"))
+        m_i, l_i, acc, p = online_softmax_step_masked(m_i, l_i, acc, s)
+    else:
+        s = tl.where(live, s, float("-inf"))
+        m_i, l_i, acc, p = online_softmax_step(m_i, l_i, acc, s)
+    return m_i, l_i, acc, p
 
 
 def paged_prefill_attention(

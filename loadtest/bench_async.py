@@ -1,6 +1,6 @@
 """Synchronous steps against batches in flight, in one process, modes alternating.
 
-``--async-scheduling`` (``actors/inflight.py``) builds step k+1 while step k runs; this
+``--async-scheduling`` (``actors/core/inflight.py``) builds step k+1 while step k runs; this
 measures what that buys: for each model, output tok/s and the wall time per step (wall time of
 the run / steps the scheduler took) with 1 and with 8 concurrent greedy requests, sync and
 async engines alternating round after round (the machine is shared: report the medians).
@@ -21,11 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea, number "
 

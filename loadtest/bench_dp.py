@@ -50,7 +50,7 @@ from pagedserve.server.launch import start_server_process
 
 
 async def tokens_per_s(engine, streams: int, output_tokens: int, tag: str) -> float:
-    from pagedserve.gpu.sampling_params import SamplingParams
+    from pagedserve.gpu.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     ids = engine.tokenizer.encode("Write a short story about a lighthouse keeper.")
@@ -68,8 +68,8 @@ async def tokens_per_s(engine, streams: int, output_tokens: int, tag: str) -> fl
 
 
 def codec_us(items: int, repeat: int = 20000) -> float:
-    from pagedserve.actors import engine_core_messages as m
-    from pagedserve.actors.request_stream import GenerationDelta
+    from pagedserve.actors.engine.protocol import GenerationDelta
+    from pagedserve.actors.engine_core import messages as m
 
     msg = m.OutputsMsg([m.StreamItem(i, GenerationDelta(" word", [1234], None, 20, 5))
                         for i in range(items)])
@@ -88,9 +88,10 @@ async def round_trip_us(client, repeat: int = 300) -> float:
 
 async def split_part(args: argparse.Namespace) -> None:
     os.environ["PAGEDSERVE_CPU_THREADS"] = str(args.threads)  # the same, fixed, for both
-    from pagedserve.actors.dp_config import DataParallelConfig
-    from pagedserve.actors.dp_launch import start_engine_processes
-    from pagedserve.actors.engine import AsyncEngine, EngineConfig
+    from pagedserve.actors.dp.config import DataParallelConfig
+    from pagedserve.actors.dp.launch import start_engine_processes
+    from pagedserve.actors.engine.async_engine import AsyncEngine
+    from pagedserve.actors.engine.config import EngineConfig
     from pagedserve.gpu.config import ModelConfig
 
     config = EngineConfig(model=ModelConfig(model=args.model, max_model_len=1024))

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
-from pagedserve.gpu.pooling_params import PoolingParams
+from pagedserve.gpu.pooling.pooling_params import PoolingParams
 
 
 def make_chunks(n: int, tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:

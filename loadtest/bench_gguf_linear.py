@@ -1,6 +1,6 @@
 """SmolLM2's linear layers, as the model calls them, every way we can multiply them, at decode and
 prefill row counts: the figures behind ``--cpu-linear-mode auto``'s table
-(``gpu/linear_bands.py``) and ``GGUFLinear``'s paths (``gpu/gguf_linear.py``).
+(``gpu/cpu/linear_bands.py``) and ``GGUFLinear``'s paths (``gpu/gguf_linear.py``).
 
 Shapes (out x in, fused as ``read_blocks`` fuses them): qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536, lm_head 49152x576 (the file's types: Q4_1 layers, a Q8_0 lm_head).
@@ -34,8 +34,9 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from pagedserve.gpu import cpu_gemm, loader
-from pagedserve.gpu.cpu_threads import cpu_threads
+from pagedserve.gpu import loader
+from pagedserve.gpu.cpu import gemm as cpu_gemm
+from pagedserve.gpu.cpu.threads import cpu_threads
 from pagedserve.kernels import cpu_ops, gguf_ops
 
 # Our name -> the GGUF tensors fused into it (layer 0).

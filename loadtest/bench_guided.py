@@ -22,10 +22,11 @@ import time
 import torch
 import xgrammar as xgr
 
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
-from pagedserve.gpu.grammar_bitmask import apply_grammar_bitmask
-from pagedserve.gpu.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.gpu.sample.grammar_bitmask import apply_grammar_bitmask
+from pagedserve.gpu.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 LONG = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 64}
 MEDIUM = {

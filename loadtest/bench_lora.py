@@ -31,17 +31,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedserve.gpu.cpu_threads import openmp_defaults
+from pagedserve.gpu.cpu.threads import openmp_defaults
 
 os.environ.update(openmp_defaults())  # as server/cli.py; inherited by the engine processes
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.gpu.lora.request import LoRARequest
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea, number "
 

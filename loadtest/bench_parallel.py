@@ -36,14 +36,15 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.cpu_threads import cpu_threads
+from pagedserve.gpu.cpu.threads import cpu_threads
 from pagedserve.gpu.parallel.comm import free_port
 from pagedserve.gpu.parallel.shm_all_reduce import ShmAllReduce
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 HIDDEN = 576
 

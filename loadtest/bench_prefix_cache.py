@@ -17,11 +17,12 @@ import time
 
 import httpx
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 
 WORDS = ("river mountain lantern orchard copper violet harbor meadow thunder compass "
          "glacier saffron marble falcon willow ember canyon").split()

@@ -1,5 +1,5 @@
 """Device check, the timing half: Triton kernels against their memory floors, and a short
-serving benchmark, on CUDA. Driven by ``loadtest/device_check.sh``; see README.
+serving benchmark, on CUDA. Driven by ``loadtest/device_check.sh``; see docs/testing.md.
 
     python loadtest/device_check.py kernels   # copy bandwidth, then each kernel vs its floor
     python loadtest/device_check.py serve     # 64 concurrent requests; decode step vs floor
@@ -243,8 +243,9 @@ async def serve_step_async(dry: bool, enforce_eager: bool) -> dict:
     """Serve ``concurrency`` identical requests, then time the decode step alone."""
     import torch
 
-    from pagedserve.actors.config import SchedulerConfig
-    from pagedserve.actors.engine import AsyncEngine, EngineConfig
+    from pagedserve.actors.core.config import SchedulerConfig
+    from pagedserve.actors.engine.async_engine import AsyncEngine
+    from pagedserve.actors.engine.config import EngineConfig
     from pagedserve.gpu.config import CacheConfig, ModelConfig
 
     concurrency, max_tokens = (2, 4) if dry else (64, 256)
@@ -278,7 +279,7 @@ async def serve_concurrent(engine, concurrency: int, max_tokens: int) -> dict:
     import httpx
 
     from pagedserve.server.launch import running_server
-    from pagedserve.server.serving import ServingConfig
+    from pagedserve.server.openai.serving import ServingConfig
 
     prompt = "Write a long story about a lighthouse keeper and the sea."
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -303,7 +304,7 @@ def decode_step_vs_floor(runner, concurrency: int, dry: bool) -> dict:
     """One decode step of ``concurrency`` requests at context 512 on blocks of their own,
     against its floor: every weight read once plus the context's K/V, over copy bandwidth."""
     from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
-    from pagedserve.gpu.sampling_params import SamplingParams
+    from pagedserve.gpu.sample.sampling_params import SamplingParams
 
     ctx, bs = (24 if dry else 512), runner.block_size
     per_seq = -(-(ctx + 1) // bs)

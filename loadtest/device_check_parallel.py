@@ -65,10 +65,11 @@ def build_model(dry: bool) -> str:
 async def serve_layout(model: str, device: str, tp: int, pp: int, workers: bool,
                        concurrency: int, max_tokens: int, enforce_eager: bool = False) -> dict:
     """One engine (``tp × pp`` ranks; ``workers``: through the mp executor even for one)."""
-    from pagedserve.actors import engine as engine_module
-    from pagedserve.actors.config import SchedulerConfig
-    from pagedserve.actors.engine import AsyncEngine, EngineConfig
-    from pagedserve.actors.multiproc_executor import MultiprocExecutor
+    from pagedserve.actors.core.config import SchedulerConfig
+    from pagedserve.actors.engine import async_engine as engine_module
+    from pagedserve.actors.engine.async_engine import AsyncEngine
+    from pagedserve.actors.engine.config import EngineConfig
+    from pagedserve.actors.executor.multiproc import MultiprocExecutor
     from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 
     config = EngineConfig(

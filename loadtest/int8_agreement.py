@@ -6,7 +6,7 @@ ignored), all requests at once (batched as the server batches them).
 Prints one JSON line: per prompt the first position where int8's tokens leave exact's (64 =
 never), the mean of those, and the token agreement = tokens equal up to the first divergence
 over all tokens (after a divergence the two continue different texts, so later equality
-means little). The figure is in the README next to the mode's description.
+means little). The figure is in docs/cpu-performance.md next to the mode's description.
 
     .venv/bin/python loadtest/int8_agreement.py [--tokens 64] [--extra "--dtype bfloat16"]
 """

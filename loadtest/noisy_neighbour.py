@@ -4,7 +4,7 @@ its cores, and the summary of what the server kept of its quiet throughput.
 
 A busy loop is the worst neighbour for threads that wait for each other: it never sleeps, so
 the scheduler splits its core in time slices of milliseconds with whichever server thread lands
-there (``gpu/thread_governor.py`` says what pagedserve does about it).
+there (``gpu/cpu/thread_governor.py`` says what pagedserve does about it).
 """
 
 from __future__ import annotations

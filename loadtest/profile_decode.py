@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-from pagedserve.gpu.cpu_threads import openmp_defaults
+from pagedserve.gpu.cpu.threads import openmp_defaults
 from pagedserve.kernels.cpu_isa import cap_torch_env
 
 # PAGEDSERVE_CPU_ISA=avx2 caps torch (ATen, oneDNN, MKL) as well as our kernels, so an AVX-512
@@ -37,13 +37,14 @@ cap_torch_env()
 
 import torch
 
-from pagedserve.gpu import cpu_gemm, gguf_linear
+from pagedserve.gpu import gguf_linear
 from pagedserve.gpu import model_runner as model_runner_module
 from pagedserve.gpu.attention import CpuAttentionBackend, TorchAttentionBackend
 from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig
+from pagedserve.gpu.cpu import gemm as cpu_gemm
 from pagedserve.gpu.model_runner import ModelRunner
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.kernels import cpu_ops
 
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedserve.gpu.cpu_threads import openmp_defaults
+from pagedserve.gpu.cpu.threads import openmp_defaults
 
 os.environ.update(openmp_defaults())  # as the server runs (server/cli.py)
 
@@ -35,7 +35,7 @@ from pagedserve.gpu.lora import manager as lora_manager
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.gpu.lora.request import LoRARequest
 from pagedserve.gpu.model_runner import ModelRunner
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora import make_adapters  # noqa: E402

@@ -13,22 +13,22 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.server.admin import admin_routes
+from pagedserve.actors.engine.protocol import EngineClient
+from pagedserve.server.admin.routes import admin_routes
 from pagedserve.server.anthropic.serving import MessagesServing
+from pagedserve.server.compat.vllm_routes import doc_routes, vllm_routes
 from pagedserve.server.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.server.errors import OpenAIError, error_body_for
 from pagedserve.server.lora_modules import lora_routes
 from pagedserve.server.middleware import DEFAULT_BODY_READ_TIMEOUT_S, RequestGuard, ServerLoad
-from pagedserve.server.pooling_serving import PoolingServing
-from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.openai.serving import Serving, ServingConfig
+from pagedserve.server.pooling.scoring import Scoring
+from pagedserve.server.pooling.serving import PoolingServing
 from pagedserve.server.request_body import parse_body
-from pagedserve.server.responses_api import ResponsesServing
-from pagedserve.server.responses_store import ResponseStore
-from pagedserve.server.scoring import Scoring
-from pagedserve.server.serving import Serving, ServingConfig
-from pagedserve.server.tool_calling import tool_dicts
-from pagedserve.server.vllm_routes import doc_routes, vllm_routes
+from pagedserve.server.responses.api import ResponsesServing
+from pagedserve.server.responses.store import ResponseStore
+from pagedserve.server.tools.calling import tool_dicts
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +42,7 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_app(engine: AsyncEngine, config: ServingConfig,
+def build_app(engine: EngineClient, config: ServingConfig,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               access_log: bool = True,
               body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S) -> RequestGuard:
@@ -92,7 +92,7 @@ def serving_json(serving: Serving) -> dict:
             "auto_tool_choice": auto.enabled}
 
 
-def health_response(engine: AsyncEngine) -> Response:
+def health_response(engine: EngineClient) -> Response:
     """``/health``: 200 with no body while every engine serves; with data parallelism, 200 and
     ``{"status": "degraded", "failed_engines": {"1": why}}`` while some engine still serves
     (the router avoids the dead ones); 503 with ``{"status": "failed", "reason": ...}`` once
@@ -106,7 +106,7 @@ def health_response(engine: AsyncEngine) -> Response:
     return Response(status_code=200)
 
 
-def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
+def _model_routes(engine: EngineClient, serving: Serving) -> list[Route]:
     """``/v1/models`` and ``/v1/models/{model}``: a card per served name (vLLM lists each of
     ``--served-model-name``'s names; the first is the one answers report)."""
     created = int(time.time())
@@ -131,7 +131,7 @@ def _model_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
             Route("/v1/models/{model:path}", model, methods=["GET"])]
 
 
-def _tokenizer_routes(engine: AsyncEngine, serving: Serving) -> list[Route]:
+def _tokenizer_routes(engine: EngineClient, serving: Serving) -> list[Route]:
     """``/tokenize`` (text or chat messages → ids) and ``/detokenize`` (ids → text)."""
 
     async def tokenize(request: Request) -> JSONResponse:

@@ -2,7 +2,7 @@
 
 Nothing heavy is imported before the command line is parsed: ``--help``, ``--version`` and usage
 errors answer without loading torch or transformers. vLLM's own flags that pagedserve lacks are
-accepted with a warning or refused with a reason (``server/vllm_flags.py``).
+accepted with a warning or refused with a reason (``server/compat/vllm_flags.py``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import argparse
 import asyncio
 import difflib
 import ipaddress
-import logging
 import os
-import signal
 import sys
 
-from pagedserve.gpu.cpu_threads import openmp_defaults
+from pagedserve.gpu.cpu.threads import openmp_defaults
 from pagedserve.kernels.cpu_isa import cap_torch_env
 
 # First, before the imports below load torch: libgomp (torch's OpenMP, shared by our C++
@@ -33,9 +31,10 @@ from typing import NoReturn
 
 import structlog
 
-from pagedserve.actors.dp_config import DataParallelConfig
+from pagedserve.actors.dp.config import DataParallelConfig
+from pagedserve.actors.log_setup import configure_logging
 from pagedserve.gpu.config import CPU_KV_CACHE_ENV, EMBEDDED_SERVED_NAME
-from pagedserve.server import vllm_flags
+from pagedserve.server.compat import vllm_flags
 from pagedserve.server.config import ServerConfig, ServingConfig, default_served_names
 from pagedserve.server.engine_args import add_serve_flags, engine_config, from_args
 from pagedserve.server.generation_config import GenerationDefaults, load_generation_defaults
@@ -106,19 +105,6 @@ def build_parser() -> ServeParser:
     return parser
 
 
-def configure_logging(level: str) -> None:
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -175,10 +161,10 @@ def warn_cpu_ignores_gpu_memory_utilization(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
 
-    from pagedserve.actors.dp_launch import run_headless, start_engine
-    from pagedserve.actors.errors import EngineDeadError
+    from pagedserve.actors.dp.launch import run_headless, start_engine
     from pagedserve.server.app import build_app
     from pagedserve.server.launch import hypercorn_config
+    from pagedserve.server.shutdown import GracefulShutdown
 
     server = from_args(ServerConfig, args)
     if args.vllm_ignored:
@@ -208,51 +194,15 @@ async def serve(args: argparse.Namespace) -> None:
     app = build_app(engine, serving, server.max_request_body_bytes,
                     access_log=not server.disable_access_log)
     config = hypercorn_config(server.host, server.port)
-    stop, forced = asyncio.Event(), asyncio.Event()
-
-    def on_signal() -> None:
-        """The first SIGINT/SIGTERM drains; the second ends every request now."""
-        if stop.is_set() and not forced.is_set():
-            log.warning("shutdown_forced", hint="the requests left are aborted")
-            forced.set()
-        stop.set()
-
-    async def drain_then_stop() -> None:
-        """SIGTERM: refuse new requests, let running ones finish for --shutdown-timeout
-        seconds (a second signal: none), abort the rest, then let Hypercorn close (flushing
-        the last stream events)."""
-        failed = asyncio.ensure_future(engine.wait_failed())
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), failed],
-                           return_when=asyncio.FIRST_COMPLETED)
-        if failed.done():  # a worker died: its requests have failed; nothing more can run
-            log.error("engine_failed", reason=engine.failure)
-            return
-        log.info("shutdown_started", timeout_s=server.shutdown_timeout)
-        app.draining = True
-        drain = asyncio.ensure_future(engine.drain(server.shutdown_timeout))
-        second = asyncio.ensure_future(forced.wait())
-        try:
-            await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
-            if drain.done():
-                drain.result()
-            else:
-                drain.cancel()
-                await engine.drain(0.0)  # no grace: abort now, as the drain's timeout does
-        except EngineDeadError:  # it died meanwhile: its requests have failed already
-            log.error("engine_failed", reason=engine.failure)
-        finally:
-            second.cancel()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    shutdown = GracefulShutdown(engine, app, server.shutdown_timeout)  # server/shutdown.py
+    shutdown.install()
     base = f"http://{config.bind[0]}"
     log.info("serving", url=f"{base}/v1", model=served)
     key_required = bool(serving.admin_key or serving.api_key)
     log.info("operator_pages", chat=f"{base}/", dashboard=f"{base}/admin",
              metrics=f"{base}/metrics", admin_key_required=key_required)
     try:
-        await hypercorn_serve(app, config, shutdown_trigger=drain_then_stop)
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown.trigger)
     finally:
         await engine.shutdown()
         log.info("stopped")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pagedserve.gpu.config import EMBEDDED_SERVED_NAME
 from pagedserve.server.generation_config import GenerationDefaults, parse_override
 from pagedserve.server.lora_modules import LoRAModulePath, parse_lora_module
-from pagedserve.server.tool_parsers import TOOL_PARSERS
+from pagedserve.server.tools.parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # The embedded model's name without the org: the OpenAI Agents SDK reads ``a/b`` as

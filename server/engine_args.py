@@ -25,10 +25,10 @@ not be turned off). Other metadata keys:
     an environment variable whose value, when set, is the default (read when the parser is
     built).
 ``default_text``
-    how ``--help`` and the README show a default that is not a plain value ("the model's").
+    how ``--help`` and the docs show a default that is not a plain value ("the model's").
 
-``--help`` ends every flag's help with ``(default: X)``; the README's flag table shows the same
-``X`` (``tests/server/test_cli.py`` holds them equal).
+``--help`` ends every flag's help with ``(default: X)``; the docs' flag table (docs/serving.md)
+shows the same ``X`` (``tests/server/test_cli.py`` holds them equal).
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.dp_config import DataParallelConfig
-from pagedserve.actors.structured_output_config import StructuredOutputConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.dp.config import DataParallelConfig
+from pagedserve.actors.structured_output.config import StructuredOutputConfig
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.server.config import ServerConfig, ServingConfig
 
 if TYPE_CHECKING:  # the engine imports torch: --help and usage errors must not wait for it
-    from pagedserve.actors.engine import EngineConfig
+    from pagedserve.actors.engine.config import EngineConfig
 
 # Every dataclass that has flags, in --help's order (one argument group each).
 FLAG_CONFIGS: tuple[type, ...] = (
@@ -189,7 +189,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         ValueError: LoRA limits that cannot work (``LoRAConfig.check``).
     """
-    from pagedserve.actors.engine import EngineConfig
+    from pagedserve.actors.engine.config import EngineConfig
 
     lora = from_args(LoRAConfig, args)
     if lora.enable_lora:

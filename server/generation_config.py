@@ -104,7 +104,7 @@ def load_generation_defaults(setting: str, override: dict[str, Any] | None, mode
 
 def _check(defaults: GenerationDefaults) -> None:
     """Each default must be a value a request may send (checked by the request's own model)."""
-    from pagedserve.server.protocol import CompletionRequest
+    from pagedserve.server.openai.protocol import CompletionRequest
 
     bodies = [defaults.sampling] + [{"max_tokens": v} for v in (
         defaults.max_tokens, defaults.max_tokens_cap) if v is not None]

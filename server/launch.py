@@ -17,10 +17,10 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from hypercorn.protocol.h11 import H11Protocol
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.protocol import EngineClient
 from pagedserve.server.app import build_app
 from pagedserve.server.errors import error_body
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 
 MAX_HEADER_BYTES = 16 * 1024  # request line and headers together; larger ones get 431
 
@@ -61,7 +61,7 @@ async def _send_openai_error_response(self: H11Protocol, status_code: int) -> No
 
 @asynccontextmanager
 async def running_server(
-    engine: AsyncEngine, serving: ServingConfig, host: str = "127.0.0.1", port: int = 0,
+    engine: EngineClient, serving: ServingConfig, host: str = "127.0.0.1", port: int = 0,
     **app_kwargs,
 ) -> AsyncIterator[str]:
     """Serve ``engine`` on ``host:port`` inside the running loop; yields the base URL.

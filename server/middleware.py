@@ -31,10 +31,10 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
-# Open without the API key (the README's --api-key row): probes a load balancer reads without
-# credentials (/health, /ping, /load), pages that hold no data and send the key themselves
-# (/, /admin, /static/*), the schema (the same on every server), and the operator routes,
-# which check the admin key themselves.
+# Open without the API key (the --api-key row of docs/serving.md): probes a load balancer
+# reads without credentials (/health, /ping, /load), pages that hold no data and send the key
+# themselves (/, /admin, /static/*), the schema (the same on every server), and the operator
+# routes, which check the admin key themselves.
 OPEN_PATHS = frozenset({"/health", "/", "/admin", "/admin/stats", "/admin/events", "/metrics",
                         "/ping", "/load", "/openapi.json", "/docs", "/favicon.ico"})
 # The routes that run the model, counted by ``ServerLoad`` (vLLM's ``load_aware_call`` routes).

@@ -17,15 +17,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine, EngineConfig
-from pagedserve.actors.structured_output import StructuredOutputConfig
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.config import EngineConfig
+from pagedserve.actors.structured_output.config import StructuredOutputConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
-from tests import process_leaks
-from tests import triton_interpreter  # noqa: F401  (TRITON_INTERPRET before triton loads)
+from pagedserve.server.openai.serving import ServingConfig
+from tests import (
+    process_leaks,
+    triton_interpreter,  # noqa: F401  (TRITON_INTERPRET before triton loads)
+)
 
 TINY_NAME = "tiny-llama"
 

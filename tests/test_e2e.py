@@ -19,7 +19,7 @@ import torch
 
 from pagedserve.server.launch import start_server_process
 from tests.conftest import chat_prompt_ids, hf_greedy, hf_tokenizer
-from tests.server.test_beam_search import hf_beams
+from tests.server.openai.test_beam_search import hf_beams
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ALIAS = "SmolLM2-135M-Instruct"

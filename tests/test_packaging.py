@@ -1,5 +1,6 @@
 """The wheel installs one top-level package, ``pagedserve``, and nothing named ``server``,
-``actors``, ``gpu`` or ``kernels`` (the last is Hugging Face's kernel-hub package)."""
+``actors``, ``gpu`` or ``kernels`` (the last is Hugging Face's kernel-hub package); every
+subpackage of the tree is in it (setup.py finds them: none is listed by hand)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,43 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_installs_only_the_pagedserve_namespace(tmp_path: Path) -> None:
+FOLDERS = ("server", "actors", "gpu", "kernels")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from a copy of the checkout's packaging files and code folders."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"  # build from a copy: setuptools writes build/ into the source tree
     src.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", src)
-    shutil.copy(ROOT / "README.md", src)
-    for pkg in ("server", "actors", "gpu", "kernels"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src)
+    for pkg in FOLDERS:
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(wheels), str(src)], check=True)
-    (wheel,) = wheels.glob("pagedserve-*.whl")
+    (built,) = wheels.glob("pagedserve-*.whl")
+    return built
+
+
+def test_wheel_holds_every_subpackage(wheel: Path) -> None:
+    """Each folder of the tree with an ``__init__.py`` is a package of the wheel, with all its
+    modules (``gpu/lora`` once shipped only in editable installs)."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {f"pagedserve/{p.relative_to(ROOT).as_posix()}" for folder in FOLDERS
+               for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts
+               and (p.parent / "__init__.py").exists()}
+    assert "pagedserve/gpu/lora/__init__.py" in modules
+    assert modules - names == set()
+
+
+def test_wheel_installs_only_the_pagedserve_namespace(wheel: Path, tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {
         "pagedserve"}
@@ -67,3 +91,19 @@ def test_make_announces_each_install_phase(tmp_path: Path) -> None:
         assert phase.startswith('echo "== [') and "/3] " in phase
     assert out[-1] == ".venv/bin/pagedserve serve "
     assert any("source .venv/bin/activate" in line for line in out[installs[-1]:])
+
+
+def test_make_docs_installs_the_pinned_tools_and_builds_strict(tmp_path: Path) -> None:
+    """``make docs`` puts docs/requirements.txt's pins into .venv (creating it if missing),
+    then builds with ``--strict``: any warning fails it. Read from ``make -n``."""
+    for name in ("Makefile", "pyproject.toml", "mkdocs.yml"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "requirements.txt", tmp_path / "docs")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "-n", "docs"], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, env=env).stdout.splitlines()
+    assert any(" -m pip install " in line and "-r docs/requirements.txt" in line for line in out)
+    assert out[-1] == ".venv/bin/mkdocs build --strict"
+    pins = (ROOT / "docs" / "requirements.txt").read_text().split()
+    assert "mkdocs==1.6.1" in pins and any(p.startswith("mkdocs-material==") for p in pins)

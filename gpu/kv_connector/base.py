@@ -17,6 +17,7 @@ in ``gpu/`` and the scheduler (``actors/``) imports it, never the other way.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,13 +63,24 @@ class KVTransferConfig:
 
 
 class ConnectorRequest(Protocol):
-    """What a connector may read of a request (``actors/request.py::Request`` satisfies it)."""
+    """What a connector may read of a request (``actors/core/request.py::Request`` satisfies it)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    block_hashes: list[bytes]
-    num_computed_tokens: int  # tokens whose K/V is in the request's blocks (before this step)
-    kv_transfer_params: dict[str, Any] | None
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V is in the request's blocks (before this step)."""
+        ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
 
 
 @dataclass(slots=True)

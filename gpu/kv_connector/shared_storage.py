@@ -127,21 +127,21 @@ class SharedStorageScheduler(KVConnectorScheduler):
         """Save the prompt blocks this step completes (those not on disk yet)."""
         if not self.produces:
             return
-        for sr in scheduled:
-            request = self._producing.get(sr.req_id)
+        for scheduled_request in scheduled:
+            request = self._producing.get(scheduled_request.req_id)
             if request is None:
                 continue
-            end = sr.num_computed_tokens + len(sr.token_ids)
-            full = min(sr.num_prompt_tokens, end) // self.block_size
-            full = min(full, len(request.block_hashes), len(sr.block_ids))
-            begin = self._saved_upto.get(sr.req_id, 0)
+            end = scheduled_request.num_computed_tokens + len(scheduled_request.token_ids)
+            full = min(scheduled_request.num_prompt_tokens, end) // self.block_size
+            full = min(full, len(request.block_hashes), len(scheduled_request.block_ids))
+            begin = self._saved_upto.get(scheduled_request.req_id, 0)
             todo = [i for i in range(begin, full)
                     if not block_file(self.root, request.block_hashes[i]).exists()]
             if todo:
                 self._meta.saves.append(BlockTransfer(
-                    sr.req_id, [sr.block_ids[i] for i in todo],
+                    scheduled_request.req_id, [scheduled_request.block_ids[i] for i in todo],
                     [request.block_hashes[i] for i in todo]))
-            self._saved_upto[sr.req_id] = max(begin, full)
+            self._saved_upto[scheduled_request.req_id] = max(begin, full)
 
     def build_connector_meta(self) -> KVConnectorMetadata | None:
         if not (self._meta.loads or self._meta.saves):

@@ -57,7 +57,7 @@ class ConnectorStep:
         self._sending: Counter[str] = Counter()  # request → ranks that reported it so far
         self._recving: Counter[str] = Counter()
 
-    def run(self, so: SchedulerOutput,
+    def run(self, scheduler_output: SchedulerOutput,
             execute: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
         """``execute(so)`` between the connector's load and save; a step with no requests
         (the scheduler polling its transfers) only moves blocks and reports.
@@ -65,18 +65,20 @@ class ConnectorStep:
         A load that fails is reported in ``failed_recving``; the forward pass still runs (the
         request's K/V past its local hits is not valid, so the scheduler drops what it
         sampled)."""
-        meta = so.kv_connector_metadata
+        meta = scheduler_output.kv_connector_metadata
         if meta is not None:
             self.connector.start_load_kv(meta)
-        out = execute(so)
+        runner_output = execute(scheduler_output)
         if meta is not None:
             self.connector.save_kv(meta)
         sending, recving = self.connector.get_finished()
         failed = self.connector.get_failed_loads()
         if self.world_size > 1:
             sending, recving, failed = self._gather(sending, recving, failed)
-        out.finished_sending, out.finished_recving, out.failed_recving = sending, recving, failed
-        return out
+        runner_output.finished_sending = sending
+        runner_output.finished_recving = recving
+        runner_output.failed_recving = failed
+        return runner_output
 
     def _gather(self, sending: set[str], recving: set[str],
                 failed: set[str]) -> tuple[set[str], set[str], set[str]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.gpu.models.llama import KVCache, LlamaForCausalLM
-from pagedserve.gpu.pooling_params import PoolingType
+from pagedserve.gpu.pooling.pooling_params import PoolingType
 from pagedserve.gpu.step_inputs import StepInputs
 
 

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from pagedserve.gpu.parallel.comm import ParallelContext
-from pagedserve.gpu.pooling_params import PoolingType
+from pagedserve.gpu.pooling.pooling_params import PoolingType
 from pagedserve.gpu.step_inputs import StepInputs
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedserve.gpu import linear_bands
+from pagedserve.gpu.cpu import linear_bands
 from pagedserve.gpu.gguf_file import interleaved_heads, layer_tensors, open_gguf
 from pagedserve.gpu.gguf_linear import GGUFLinear, quantized_part, unpermute
 from pagedserve.gpu.parallel.gguf_shard import (

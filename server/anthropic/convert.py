@@ -38,7 +38,7 @@ from pagedserve.server.anthropic.protocol import (
     ToolResultBlock,
 )
 from pagedserve.server.errors import OpenAIError
-from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.openai.protocol import ChatCompletionRequest
 from pagedserve.server.request_body import validation_error
 
 # Claude Code's first system block: a per-request hash that would defeat prefix caching

@@ -4,7 +4,7 @@
 Names and meanings follow Anthropic's ``MessageCreateParams`` (the ``anthropic`` package's
 ``types/message_create_params.py``) and vLLM's ``vllm/entrypoints/anthropic/protocol.py``,
 which also takes ``system`` turns inside ``messages`` (folded into the system prompt) and
-``chat_template_kwargs``. Types are strict as on the OpenAI bodies (``server/protocol.py``),
+``chat_template_kwargs``. Types are strict as on the OpenAI bodies (``server/openai/protocol.py``),
 unknown fields are ignored (``cache_control``, ``thinking``, ``service_tier``, ...), and content
 this server cannot honour (image and document blocks, server tools) is a 400 naming it.
 """
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.server.protocol import LaxBool
+from pagedserve.server.openai.protocol import LaxBool
 
 
 class _Body(BaseModel):

@@ -21,16 +21,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedserve.actors.request_stream import RequestStream, close_all
+from pagedserve.actors.engine.protocol import DeltaStream
+from pagedserve.actors.engine.request_stream import close_all
 from pagedserve.server.anthropic.convert import chat_request
 from pagedserve.server.anthropic.errors import anthropic_error_body
 from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedserve.server.anthropic.shape import MessageShape, Output, events
+from pagedserve.server.disconnect import DisconnectWatch, until_disconnect
+from pagedserve.server.openai.output import RequestSummary
+from pagedserve.server.openai.serving import ChatInputs, Serving
 from pagedserve.server.request_body import parse_body
-from pagedserve.server.responses import DisconnectWatch, RequestSummary, until_disconnect
-from pagedserve.server.responses_events import collect
-from pagedserve.server.serving import ChatInputs, Serving
-from pagedserve.server.tool_calling import tool_dicts
+from pagedserve.server.responses.events import collect
+from pagedserve.server.tools.calling import tool_dicts
 
 
 def _ping() -> ServerSentEvent:
@@ -82,7 +84,7 @@ class MessagesServing:
             watch.stop()
 
     async def _answer(self, watch: DisconnectWatch, body: MessagesRequest, inputs: ChatInputs,
-                      message_id: str, engine_id: str, stream: RequestStream) -> Response:
+                      message_id: str, engine_id: str, stream: DeltaStream) -> Response:
         shape = MessageShape(message_id, self.serving.config.model_name,
                              len(inputs.prompt.token_ids),
                              inputs.tools.parser if inputs.tools else None)

@@ -29,11 +29,11 @@ from typing import Any
 
 import structlog
 
+from pagedserve.actors.engine.protocol import DeltaStream, GenerationDelta
 from pagedserve.actors.errors import EngineError, EngineShuttingDown
-from pagedserve.actors.request_stream import GenerationDelta, RequestStream
 from pagedserve.server.anthropic.errors import anthropic_error_body
-from pagedserve.server.responses_events import Emit, engine_error
-from pagedserve.server.tool_parsers import ToolCall, ToolParser
+from pagedserve.server.responses.events import Emit
+from pagedserve.server.tools.parsers import ToolCall, ToolParser
 
 log = structlog.get_logger(__name__)
 
@@ -162,7 +162,7 @@ def _event(kind: str, **fields: Any) -> dict[str, str]:
     return {"event": kind, "data": json.dumps({"type": kind, **fields})}
 
 
-async def events(shape: MessageShape, stream: RequestStream,
+async def events(shape: MessageShape, stream: DeltaStream,
                  on_done: Callable[[Output], None]) -> AsyncIterator[dict[str, str]]:
     """The SSE events (``{"event", "data"}`` for sse-starlette) of a streamed message.
     ``on_done`` gets the output once it ended (not when the client went away: sse-starlette

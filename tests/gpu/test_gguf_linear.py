@@ -11,8 +11,9 @@ import pytest
 import torch
 from gguf import GGUFReader, quants
 
-from pagedserve.gpu import gguf_file, gguf_linear, gguf_load, linear_bands, loader, memory
+from pagedserve.gpu import gguf_file, gguf_linear, gguf_load, loader
 from pagedserve.gpu.attention import get_attention_backend
+from pagedserve.gpu.cpu import linear_bands, memory
 from pagedserve.gpu.dtype_choice import pick_quantization
 from pagedserve.gpu.layer_ops import get_layer_ops
 from pagedserve.kernels import gguf_ops

@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.gpu.lora.request import LoRARequest
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from tests.conftest import engine_config, hf_greedy
 from tests.lora_adapters import make_adapter, peft_greedy
 

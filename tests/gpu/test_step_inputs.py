@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest, Segment, order_batch
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
 
 
@@ -73,7 +73,7 @@ def test_prepare_inputs_flattens_in_batch_order():
 def test_prompt_logprob_rows_follow_the_sampled_rows():
     """A chunk that wants prompt logprobs adds its prompt rows after every sampled row (so the
     sampled ones keep their places); its last row's target is the token after the chunk."""
-    from pagedserve.gpu.prompt_logprobs import PromptLogprobsWanted, split_logits, targets
+    from pagedserve.gpu.sample.prompt_logprobs import PromptLogprobsWanted, split_logits, targets
 
     dec = _req("dec", [11], 9, [4, 5, 6])
     mid = _req("mid", [5, 6, 7], 4, [0, 1], sample=False)  # tokens 4..6 of a 10-token prompt

@@ -16,7 +16,7 @@ from pagedserve.gpu.config import CacheConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
 from pagedserve.gpu.parallel.comm import ParallelContext, free_port
 from pagedserve.gpu.parallel.layout import check_layout, rank_layout, stage_layers
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.gpu.step_inputs import prepare_inputs
 
 PROMPTS = [[1, 17, 300, 4000, 12, 99, 5], [1, 2000, 3, 48000, 777, 31, 8, 9, 10, 11, 12, 13]]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.attention import (
     BACKEND_ENV,
     AttentionMetadata,
@@ -25,9 +25,9 @@ from pagedserve.gpu.attention import (
 )
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 from pagedserve.gpu.cuda_graph import DecodeBatch
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import TINY_NAME, chat, engine_config
 from tests.triton_interpreter import KERNEL_DEVICE as DEVICE
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.gpu import cpu_gemm
+from pagedserve.gpu.cpu import gemm as cpu_gemm
 from pagedserve.gpu.fused_moe import (
     FusedMoE,
     moe_grouped,

@@ -19,7 +19,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry

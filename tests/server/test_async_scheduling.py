@@ -1,5 +1,5 @@
 """``--async-scheduling`` through a real server (tiny model, float32): the scheduler builds step
-k+1 while step k runs (``actors/inflight.py``), and the output is the synchronous loop's,
+k+1 while step k runs (``actors/core/inflight.py``), and the output is the synchronous loop's,
 token for token: batched, chunked-prefill, prefix-cached and preempted greedy requests equal
 transformers'; stop tokens, ``max_tokens`` and stop strings that end a request while its next
 decode is in flight, ``n > 1`` and seeded sampling equal a synchronous server's; a client that
@@ -14,12 +14,12 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from pagedserve.actors.config import SchedulerConfig
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.inflight import in_flight_depth
-from pagedserve.actors.spec_config import parse_speculative_config
+from pagedserve.actors.core.config import SchedulerConfig
+from pagedserve.actors.core.inflight import in_flight_depth
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.spec_decode.config import parse_speculative_config
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import (
     TINY_NAME,
     chat,

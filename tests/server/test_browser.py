@@ -13,7 +13,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import TINY_NAME, serve, stats
 
 CHROMIUM = "/usr/bin/chromium"

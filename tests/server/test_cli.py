@@ -1,4 +1,5 @@
-"""`pagedserve serve`'s flags come from the config dataclasses; the README's table matches them."""
+"""`pagedserve serve`'s flags come from the config dataclasses; the docs' flag table
+(docs/serving.md) matches them."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.actors.engine import EngineConfig
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.engine.config import EngineConfig
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu.config import CacheConfig
 from pagedserve.server.cli import build_parser
 from pagedserve.server.config import ServerConfig, ServingConfig
 from pagedserve.server.engine_args import engine_config, from_args
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def help_flags(capsys: pytest.CaptureFixture[str]) -> dict[frozenset[str], str]:
@@ -43,9 +44,9 @@ def help_flags(capsys: pytest.CaptureFixture[str]) -> dict[frozenset[str], str]:
     return flags
 
 
-def readme_flags() -> dict[frozenset[str], str]:
-    """``{option strings: default}`` from the README's flag table, backticks dropped."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def docs_flags() -> dict[frozenset[str], str]:
+    """``{option strings: default}`` from the docs' flag table, backticks dropped."""
+    lines = SERVING_PAGE.read_text(encoding="utf-8").splitlines()
     start = lines.index("| flag | default | meaning |") + 2
     flags = {}
     for row in lines[start:]:
@@ -57,11 +58,11 @@ def readme_flags() -> dict[frozenset[str], str]:
     return flags
 
 
-def mismatches(help_: dict[frozenset[str], str], readme: dict[frozenset[str], str]) -> list[str]:
-    out = [f"{sorted(o)} not in the README" for o in help_.keys() - readme.keys()]
-    out += [f"{sorted(o)} in the README, not in --help" for o in readme.keys() - help_.keys()]
-    out += [f"{sorted(o)}: --help says {help_[o]!r}, the README {readme[o]!r}"
-            for o in help_.keys() & readme.keys() if help_[o] != readme[o]]
+def mismatches(help_: dict[frozenset[str], str], docs: dict[frozenset[str], str]) -> list[str]:
+    out = [f"{sorted(o)} not in the docs" for o in help_.keys() - docs.keys()]
+    out += [f"{sorted(o)} in the docs, not in --help" for o in docs.keys() - help_.keys()]
+    out += [f"{sorted(o)}: --help says {help_[o]!r}, the docs {docs[o]!r}"
+            for o in help_.keys() & docs.keys() if help_[o] != docs[o]]
     return out
 
 
@@ -72,19 +73,19 @@ def _wide_help_and_no_keys(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_ADMIN_KEY", raising=False)
 
 
-def test_every_flag_is_in_the_readme_with_its_default(capsys):
+def test_every_flag_is_in_the_docs_with_its_default(capsys):
     help_ = help_flags(capsys)
     assert len(help_) >= 29 and help_[frozenset({"--block-size"})] == "16"
     assert help_[frozenset({"--quantization", "-q"})].startswith("gguf for a .gguf model")
     assert help_[frozenset({"--enable-prefix-caching", "--no-enable-prefix-caching"})] == "on"
-    assert mismatches(help_, readme_flags()) == []
+    assert mismatches(help_, docs_flags()) == []
 
 
-def test_a_changed_default_shows_in_help_and_breaks_the_readme_match(capsys, monkeypatch):
+def test_a_changed_default_shows_in_help_and_breaks_the_docs_match(capsys, monkeypatch):
     monkeypatch.setattr(CacheConfig.__dataclass_fields__["block_size"], "default", 32)
     assert build_parser().parse_args(["serve"]).block_size == 32
-    assert mismatches(help_flags(capsys), readme_flags()) == [
-        "['--block-size']: --help says '32', the README '16'"]
+    assert mismatches(help_flags(capsys), docs_flags()) == [
+        "['--block-size']: --help says '32', the docs '16'"]
 
 
 def test_no_flags_give_the_dataclass_defaults():

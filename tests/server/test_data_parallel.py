@@ -1,5 +1,5 @@
 """Data parallelism through the real server (issue 14), every engine an engine-core process
-behind ``DataParallelEngine`` (``actors/dp_launch.py``, ``actors/dp_engine.py``).
+behind ``DataParallelEngine`` (``actors/dp/launch.py``, ``actors/dp/engine.py``).
 
 Two servers, started together and shared by the tests of this module:
 
@@ -55,7 +55,7 @@ def engine_pids(parent: int) -> dict[int, int]:
             cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        rank = re.search(r"engine_core_proc\x00--engine-index=(\d+)", cmd)
+        rank = re.search(r"engine_core\.proc\x00--engine-index=(\d+)", cmd)
         if rank and int(fields[1]) == parent and fields[0] != "Z":
             out[int(rank.group(1))] = int(entry.name)
     return out

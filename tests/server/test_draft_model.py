@@ -1,5 +1,5 @@
-"""Speculative decoding with a draft model (``gpu/draft_model.py``) through the real server:
-a model as its own draft accepts every greedy draft, also across preemption and prefix-cache
+"""Speculative decoding with a draft model (``gpu/spec_decode/draft_model.py``) through the real
+server: a model as its own draft accepts every greedy draft, also across preemption and prefix-cache
 hits (stale draft K/V would show as rejections); a random draft leaves the output unchanged;
 a draft with another tokenizer is refused at start."""
 
@@ -12,10 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu import kv_cache
-from pagedserve.gpu.config import (EMBEDDED_SERVED_NAME, CacheConfig, DraftModelConfig,
-                                   ModelConfig)
+from pagedserve.gpu.config import EMBEDDED_SERVED_NAME, CacheConfig, DraftModelConfig, ModelConfig
 from pagedserve.gpu.model_runner import ModelRunner
 from tests.conftest import chat, chat_prompt_ids, hf_greedy, serve, stats
 from tests.server.test_spec_decode import REPEAT

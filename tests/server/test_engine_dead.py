@@ -17,8 +17,9 @@ import signal
 import httpx
 import pytest
 
-from pagedserve.actors.executor import Executor
-from pagedserve.actors.scheduler import Scheduler
+from pagedserve.actors.core.scheduler import Scheduler
+from pagedserve.actors.core.scheduler_stats import SchedulerStatsRecorder
+from pagedserve.actors.executor.base import Executor
 from pagedserve.server import cli
 from pagedserve.server.launch import free_port
 from tests.conftest import serve, until_stats
@@ -79,7 +80,8 @@ async def test_a_fault_the_engine_cannot_contain_makes_it_dead(tiny_model_dir, m
     """A running stream and a waiting request (``max_num_seqs=1``) both end with an error at
     once; afterwards nothing hangs."""
     armed = asyncio.Event()
-    cls, name = (Scheduler, "_record_step") if where == "scheduler" else (Executor, "_submit")
+    cls, name = ((SchedulerStatsRecorder, "record_step") if where == "scheduler"  # its task
+                 else (Executor, "_submit"))
     real = getattr(cls, name)
 
     def faulty(self, *args):
@@ -116,7 +118,7 @@ async def test_serve_exits_non_zero_when_the_engine_dies(tiny_model_dir, monkeyp
     def faulty(self, *args):
         raise RuntimeError("injected scheduler fault")
 
-    monkeypatch.setattr(Scheduler, "_record_step", faulty)
+    monkeypatch.setattr(SchedulerStatsRecorder, "record_step", faulty)  # the scheduler's task
     port = free_port()
     args = cli.build_parser().parse_args([
         "serve", str(tiny_model_dir), "--port", str(port), "--max-model-len", "256",

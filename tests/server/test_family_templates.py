@@ -18,8 +18,8 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from pagedserve.server.config import ServingConfig
-from pagedserve.server.tool_parser_choice import detect_tool_parser
-from pagedserve.server.tool_template import tool_template
+from pagedserve.server.tools.parser_choice import detect_tool_parser
+from pagedserve.server.tools.template import tool_template
 from tests.conftest import hf_tokenizer, serve, stats
 from tests.server.family_templates import (
     FAMILIES,
@@ -90,7 +90,7 @@ async def test_the_server_serves_auto_with_the_chosen_parser(tiny_model_dir, tem
 
 
 def test_a_family_with_no_format_refuses_auto_naming_the_flag():
-    from pagedserve.server.tool_parser_choice import resolve_auto_tool_choice
+    from pagedserve.server.tools.parser_choice import resolve_auto_tool_choice
 
     template, special, _, _ = FAMILIES["gemma2/gemma3"]
     tok = family_tokenizer(template, special)

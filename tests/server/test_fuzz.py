@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.server.launch import running_server
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import engine_config
 
 # -- strategies -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Gemma2Config, Gemma3TextConfig, GenerationConfig
 
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from pagedserve.gpu import loader
 from pagedserve.gpu.config import ParallelConfig
 from pagedserve.gpu.models import registry

@@ -105,7 +105,7 @@ async def test_bad_block_files_are_recomputed_or_fail_the_request(tiny_model_dir
     prompts = [prompt(100, 10 + i) for i in range(4)]
     async with server(tiny_model_dir, connector("kv_producer", tmp_path)) as client:
         want = [(await complete(client, p))["choices"][0]["token_ids"] for p in prompts]
-    from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
+    from pagedserve.actors.kv.hashing import HASH_FUNCTIONS, extend_block_hashes
 
     def third_block(p: list[int]) -> Path:  # the file of a prompt's third block
         out: list[bytes] = []
@@ -202,7 +202,7 @@ async def test_tensor_parallel_ranks_each_keep_their_heads_and_a_bad_file_on_any
         want = [(await complete(client, p))["choices"][0]["token_ids"] for p in prompts]
     rank1 = sorted(tmp_path.glob("*.r1.kv"))
     assert len(rank1) == len(list(tmp_path.glob("*.r0.kv"))) == 2 * (60 // BS)
-    from pagedserve.actors.kv_cache_utils import HASH_FUNCTIONS, extend_block_hashes
+    from pagedserve.actors.kv.hashing import HASH_FUNCTIONS, extend_block_hashes
 
     hashes: list[bytes] = []
     extend_block_hashes(HASH_FUNCTIONS["sha256"], hashes, prompts[1], BS, None)

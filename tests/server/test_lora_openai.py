@@ -12,11 +12,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
 from pagedserve.gpu.lora.config import LoRAConfig
 from pagedserve.server.launch import running_server
 from pagedserve.server.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import chat_prompt_ids, engine_config, hf_greedy
 from tests.lora_adapters import make_adapter, peft_greedy
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.gpu.cpu_threads import OPENMP_DEFAULTS
+from pagedserve.gpu.cpu.threads import OPENMP_DEFAULTS
 
 PAGEDSERVE = Path(sys.executable).parent / "pagedserve"
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.actors.engine import AsyncEngine
-from pagedserve.actors.multiproc_executor import MultiprocExecutor, WorkerFailed
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.executor.multiproc import MultiprocExecutor, WorkerFailed
 from pagedserve.gpu.batch import ScheduledRequest, SchedulerOutput
 from pagedserve.gpu.config import CacheConfig, ModelConfig, ParallelConfig
-from pagedserve.gpu.sampling_params import SamplingParams
+from pagedserve.gpu.sample.sampling_params import SamplingParams
 from pagedserve.server.launch import start_server_process
 from tests.conftest import engine_config
 

@@ -103,7 +103,7 @@ async def test_prefix_cached_request_equals_transformers(layout_client, tiny_mod
 async def test_two_batches_in_flight_never_one_request_in_both(layout_client):
     """pp=2 under --async-scheduling keeps two batches in flight (stage 1 on batch k+1 while
     stage 2 is on batch k),
-    each with requests the other does not hold (``actors/inflight.py`` raises otherwise)."""
+    each with requests the other does not hold (``actors/core/inflight.py`` raises otherwise)."""
     tp, pp, client = layout_client
     if pp == 1:
         pytest.skip("batches in flight need pipeline stages")

@@ -227,7 +227,7 @@ async def test_preemption_and_speculative_decoding_keep_the_long_context_output(
     """Phi-4-mini's shape past its original context: requests preempted (27 blocks for four
     ~11-block requests: their KV recomputed with the same long factors) and n-gram drafts
     verified several positions a step, each equal to transformers'."""
-    from pagedserve.actors.spec_decode import SpeculativeConfig
+    from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 
     path = phi3_dir("phi4-mini", tmp_path, default_model_dir)
     prompts = [random_prompt(10 + i, ORIGINAL + 7) for i in range(4)]

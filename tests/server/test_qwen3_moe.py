@@ -100,7 +100,7 @@ async def test_tensor_and_pipeline_parallel_split_the_experts(moe_dir):
 async def test_speculative_decoding_keeps_greedy_output(moe_dir):
     """n-gram drafts verified by the MoE model: several tokens of one request a step, each
     routed on its own."""
-    from pagedserve.actors.spec_decode import SpeculativeConfig
+    from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 
     prompt = "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4"
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)

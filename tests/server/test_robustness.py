@@ -16,11 +16,11 @@ import pytest
 import pytest_asyncio
 
 import pagedserve.gpu.model_runner
-from pagedserve.actors.detokenizer import IncrementalDetokenizer
-from pagedserve.actors.engine import AsyncEngine
+from pagedserve.actors.engine.async_engine import AsyncEngine
+from pagedserve.actors.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.gpu.model_runner import ModelRunner
 from pagedserve.server.launch import running_server, start_server_process
-from pagedserve.server.serving import ServingConfig
+from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import chat, engine_config, serve, stats, until_stats
 
 MSG = [{"role": "user", "content": "Say something."}]

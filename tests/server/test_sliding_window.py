@@ -124,7 +124,7 @@ async def test_parallel_and_speculative_decoding_keep_outputs(mistral_dir):
     windows), n-gram drafts (several windowed queries per sequence in one step) and async
     scheduling (blocks released by the tokens known computed, not those in flight) past the
     window."""
-    from pagedserve.actors.spec_decode import SpeculativeConfig
+    from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
     from pagedserve.gpu.config import ParallelConfig
 
     prompt = PROMPTS[0]

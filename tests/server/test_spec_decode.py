@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from pagedserve.actors.dp_launch import SAFE_PATH
-from pagedserve.actors.spec_decode import SpeculativeConfig
+from pagedserve.actors.dp.launch import SAFE_PATH
+from pagedserve.actors.spec_decode.proposer import SpeculativeConfig
 from tests.conftest import TINY_NAME, chat, chat_prompt_ids, hf_greedy, serve, stats
 
 GUIDE = "(fox jumps over dog ){4}"

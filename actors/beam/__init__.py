@@ -1,0 +1,1 @@
+"""Beam search: its rules and the beams as sibling requests in the scheduler."""

@@ -1,0 +1,1 @@
+"""The core: the scheduler actor, its step planner and queues, request state."""

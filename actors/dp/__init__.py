@@ -1,0 +1,1 @@
+"""Data parallelism: several engines behind one API server, and their router."""

@@ -1,0 +1,1 @@
+"""The process boundary: an engine in its own process, its client and the messages between them."""

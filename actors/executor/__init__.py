@@ -1,0 +1,1 @@
+"""Executor actors: one thread in process, worker processes, Ray actors."""

@@ -1,0 +1,1 @@
+"""Speculative decoding on the scheduler's side: its settings and the proposers."""

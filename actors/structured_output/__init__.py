@@ -1,0 +1,1 @@
+"""Guided decoding: grammar compiles, per-request matchers, the step's bitmask."""

@@ -1,0 +1,1 @@
+"""The CPU path: oneDNN linears, thread counts, memory, linear bands."""

@@ -1,0 +1,1 @@
+"""The pooling runner: poolers and their parameters."""

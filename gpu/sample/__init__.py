@@ -1,0 +1,1 @@
+"""Sampling: the parameters, the sampler, prompt logprobs, grammar masks."""

@@ -1,0 +1,1 @@
+"""Speculative decoding on the device side: the draft model and the rejection sampler."""

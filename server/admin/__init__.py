@@ -1,0 +1,1 @@
+"""The operators' routes: live stats, Prometheus metrics, the OpenAPI document."""

@@ -1,0 +1,1 @@
+"""The OpenAI endpoints: chat and text completions, their protocol and output."""

@@ -1,0 +1,1 @@
+"""The pooling endpoints: embeddings, pooling, score and rerank."""

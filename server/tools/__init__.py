@@ -1,0 +1,1 @@
+"""Tool calling: the request fields, the templates and the output parsers."""
