@@ -423,7 +423,10 @@ struct DotSum {
 
 // Ask for ``bytes`` of weights from ``p`` (one line per 64 bytes; past the end is harmless, a
 // prefetch never faults): a decode streams the weights from memory once, and the hardware
-// prefetcher alone left it well below the machine's read bandwidth.
+// prefetcher alone left it well below the machine's read bandwidth. The first tile of a panel asks
+// a slice at a time (a block's worth per legacy block, an eighth of a 256-block per sub-block):
+// one burst of a whole block ahead queued more misses than the core holds and the loads of the
+// block being computed waited behind them (Q6_K at 1 row ran at a third of the bandwidth).
 inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
@@ -474,7 +477,7 @@ inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* ou
     for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0 && b % 8 == 0) prefetch(blk + 8 * PR * pb, 8 * PR * pb);
+    if (r0 == 0) prefetch(blk + 8 * PR * pb, PR * pb);
     const int8_t* q[MR];
     typename V::I ai[MR][NC];
     #pragma GCC unroll 16
@@ -577,7 +580,6 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
     for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
     typename V::F d[NC], dmin[NC];
     #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
@@ -589,6 +591,7 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const int s = 2 * j + half;
+      if (r0 == 0) prefetch(blk + 2 * PR * pb + s * (PR * pb / 8), PR * pb / 8 + 64);
       using Dots = DotSum<V, TYPE == Q4_K ? 8 : 4, MR * NC <= 2 ? 2 : 1>;
       Dots dots[MR][NC];
 #pragma GCC unroll 8
@@ -646,13 +649,13 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T
     for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
     typename V::F d[NC];
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, s4 = s % 4;
+      if (r0 == 0) prefetch(blk + 2 * PR * pb + s * (PR * pb / 8), PR * pb / 8 + 64);
       using Dots = DotSum<V, 2, MR * NC <= 2 ? 2 : 1>;
       Dots ia[MR][NC], ib[MR][NC];
 #pragma GCC unroll 16
@@ -716,10 +719,13 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
     for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    if (r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
+    if (MR > 2 && r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, s4 = s % 4;
+      // Spread over the sub-blocks where few rows leave the loads waiting on memory; at 3+
+      // rows the 16 AVX2 registers are full and the extra loop costs more than it hides.
+      if (MR <= 2 && r0 == 0) prefetch(blk + 2 * PR * pb + s * (PR * pb / 8), PR * pb / 8 + 64);
       typename V::I sab[NC], tot[MR][NC];
       #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c)
