@@ -253,7 +253,7 @@ async def test_dashboard_shows_engines_side_by_side(browser, tiny_model_dir, tmp
     import httpx
     from playwright.async_api import expect
 
-    from tests.server.test_data_parallel import dp_server
+    from tests.server.dp_servers import dp_server
 
     with dp_server(tiny_model_dir, logs=tmp_path) as (_, base):
         client = httpx.AsyncClient(base_url=base, timeout=120)

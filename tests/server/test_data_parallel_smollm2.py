@@ -9,7 +9,7 @@ import asyncio
 import httpx
 
 from tests.conftest import chat, chat_prompt_ids, hf_greedy, stats
-from tests.server.test_data_parallel import dp_server
+from tests.server.dp_servers import dp_server
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Name three prime numbers.", "What does a CPU cache do?"]

@@ -16,8 +16,6 @@ import jsonschema
 import pytest
 import pytest_asyncio
 
-from pagedserve.server.anthropic.convert import chat_messages, chat_request
-from pagedserve.server.anthropic.protocol import MessagesRequest
 from pagedserve.server.config import ServingConfig
 from tests.conftest import TINY_NAME, hf_tokenizer, serve, stats
 from tests.server.admin.test_admin import wait_idle
@@ -377,35 +375,3 @@ async def test_openapi_and_docs_list_the_messages_routes(tiny):
     props = spec["components"]["schemas"]["MessagesRequest"]["properties"]
     assert {"max_tokens", "system", "stop_sequences", "tools", "tool_choice"} <= set(props)
     assert "max_tokens" in spec["components"]["schemas"]["MessagesRequest"]["required"]
-
-
-def test_the_conversation_becomes_the_chat_history_in_order():
-    body = MessagesRequest.model_validate({
-        "model": "m", "max_tokens": 8,
-        "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
-                   {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
-        "messages": [
-            {"role": "user", "content": "Weather in Paris and Rome?"},
-            {"role": "assistant", "content": [
-                {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"city": "Paris"}},
-                {"type": "tool_use", "id": "toolu_2", "name": "w", "input": {"city": "Rome"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
-                {"type": "tool_result", "tool_use_id": "toolu_2",
-                 "content": [{"type": "text", "text": "rain"}, {"type": "text", "text": "8C"}]},
-                {"type": "text", "text": "And tomorrow?"}]}]})
-    assert chat_messages(body) == [
-        {"role": "system", "content": "Be brief.\nBe kind."},
-        {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": [
-            {"id": "toolu_1", "type": "function",
-             "function": {"name": "w", "arguments": '{"city": "Paris"}'}},
-            {"id": "toolu_2", "type": "function",
-             "function": {"name": "w", "arguments": '{"city": "Rome"}'}}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "toolu_2", "content": "rain\n8C"},
-        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]}]
-    chat = chat_request(body)
-    assert chat.max_tokens == 8 and chat.add_generation_prompt
-    assert "temperature" not in chat.model_fields_set  # left to the generation config
