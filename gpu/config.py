@@ -69,7 +69,7 @@ class ModelConfig:
     cpu_linear_mode: str = field(default="auto", metadata={
         "help": "GGUF linears on the CPU: exact = float32 products of the de-quantized weights "
                 "(greedy output equals transformers'); int8 = activations quantized to 8 bits "
-                "per 32 values, integer products (faster, output differs: docs); auto = "
+                "per 32 values (256 against K-quants), integer products (faster, output differs: docs); auto = "
                 "the faster per batch size as measured for this CPU tier, exact when --dtype "
                 "float32 is given",
         "choices": ("exact", "int8", "auto"),

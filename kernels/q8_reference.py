@@ -1,14 +1,16 @@
 """The int8-activation GGUF product in torch: the same arithmetic as ``csrc/gguf_q8_gemm.cpp``
 (``--cpu-linear-mode int8``), the oracle its tests compare every variant against.
 
-Activations are quantized per block of 32 values as llama.cpp's Q8_0 (``ggml-quants.c``'s
-``quantize_row_q8_0``), with a float32 scale: ``d = amax * float32(1/127)``,
-``q = round_half_even(x / d)`` computed as ``x * (1 / d)``; each block's product with a weight
-sub-block of 32 is an exact integer, scaled by ``dw * d`` (and, for types with a minimum, plus
-``mw * (d * sum(q))``). llama.cpp quantizes activations per 256 values (Q8_K) for the K-quants;
-we keep 32 for every type (finer, and one activation format for a layer's mixed-type parts).
-Integer sums are taken in float64, where they are exact (at most 32 * 127 * 128 * 32 per
-sub-block, Q6_K's scaled codes).
+Activations are quantized as llama.cpp does for each weight type: per block of 32 values
+(``ggml-quants.c``'s ``quantize_row_q8_0``) against the 32-weight types, per 256 values (the
+size of its Q8_K) against the K-quants, whose kernels then fold a block's 8 sub-block products
+in integers or in one float sum before a single multiply by the activation scale. Either way
+with a float32 scale ``d = amax * float32(1/127)`` and ``q = round_half_even(x / d)`` computed
+as ``x * (1 / d)`` (llama.cpp's Q8_K keeps the sign of the largest value in its scale; the
+rounding here is Q8_0's for both sizes). Each 32-value block's product with a weight sub-block
+of 32 is an exact integer, scaled by ``dw * d`` (and, for types with a minimum, plus
+``mw * (d * sum(q))``). Integer sums are taken in float64, where they are exact (at most
+32 * 127 * 128 * 32 per sub-block, Q6_K's scaled codes).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ QK = 32
 _INV_127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[M, K]`` (K a multiple of 32, float32 or bfloat16 widened exactly) as int8 codes
-    ``[M, K / 32, 32]`` (int32 tensor) and float32 scales ``[M, K / 32]``."""
-    blocks = x.float().reshape(x.shape[0], -1, QK)
-    d = blocks.abs().amax(-1) * _INV_127
+K_QUANTS = (12, 13, 14)  # Q4_K, Q5_K, Q6_K: activations per 256 values
+
+
+def quantize_activations(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` (K a multiple of ``group``, float32 or bfloat16 widened exactly) as int8
+    codes ``[M, K / 32, 32]`` (int32 tensor) and float32 scales ``[M, K / 32]``, one scale per
+    ``group`` values (32 or 256) repeated for each 32-value block of the group."""
+    groups = x.float().reshape(x.shape[0], -1, group)
+    d = groups.abs().amax(-1) * _INV_127
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int32)
-    return q, d
+    q = torch.round(groups * inv[..., None]).clamp(-127, 127).to(torch.int32)
+    per = group // QK
+    return q.reshape(x.shape[0], -1, QK), d.repeat_interleave(per, dim=-1)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -97,10 +104,10 @@ def weight_codes(qweight: torch.Tensor, qtype: int, k: int):
 
 def gguf_q8_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     """``x`` ``[M, K]`` times the GGUF rows' transpose → ``[M, N]`` float32, the int8 mode's
-    arithmetic: per block ``(dw * dx) * isum`` (+ ``mw * (dx * sum(q))``), blocks summed in
-    float64 (the kernels sum in float32 in their own order: that is the only difference)."""
+    arithmetic (activations per 256 values against K-quants, else per 32): per block
+    ``(dw * dx) * isum`` (+ ``mw * (dx * sum(q))``), blocks summed in float64 (the kernels sum in float32 in their own order: that is the only difference)."""
     k = x.shape[-1]
-    qx, dx = quantize_activations(x)
+    qx, dx = quantize_activations(x, 256 if qtype in K_QUANTS else QK)
     codes, dw, mw = weight_codes(qweight, qtype, k)
     # [nb, M, 32] @ [nb, 32, N]: exact integers in float64.
     isum = torch.bmm(qx.double().transpose(0, 1), codes.double().permute(1, 2, 0))

@@ -3,16 +3,17 @@
 // product taken in integers, as llama.cpp does on the CPU (its Q8_0 / Q8_K activation blocks
 // against every weight type); the exact mode is gguf_gemm.cpp.
 //
-// Per activation block (32 values x_t): amax = max |x_t|, d = amax * float32(1 / 127),
+// Per activation block (32 values x_t; against the K-quants 256, llama.cpp's Q8_K size, the
+// scale of each 32 then the group's): amax = max |x_t|, d = amax * float32(1 / 127),
 // q_t = round_half_even(x_t * (1 / d)) in [-127, 127] (all zero when d = 0). Per 32-weight
 // sub-block of the weights (integer codes c_t, scale dw, minimum mw: gguf_blocks.h) it
 // contributes
 //     float(sum_t c_t q_t) * (dw * d)               (+ mw * (d * float(sum_t q_t)))
 // with the integer sum exact, sub-blocks summed in order; kernels/q8_reference.py is the same
-// arithmetic in torch (the variants differ from it in float rounding only: an FMA here). Q6_K's
-// codes sc * (q - 32) are summed per 16-weight group and scaled by sc in integers. llama.cpp
-// quantizes activations per 256 values for the K-quants; 32 here is finer and one format for
-// every part of a mixed-type layer.
+// arithmetic in torch (the variants differ from it in float rounding and order only: the
+// K-quant tiles sum a 256-block's sub-blocks before multiplying by d). Q6_K's codes
+// sc * (q - 32) are summed per 16-weight group and scaled by sc in integers. Each call
+// quantizes x for its own weights' type, so the parts of a mixed-type layer each get theirs.
 //
 // Weights are repacked once at load (gguf_q8_repack) into panels of 16 rows (gguf_blocks.h):
 // per block, the rows' code bytes interleaved 4 bytes at a time, then their high bits the same
@@ -87,91 +88,94 @@ struct QuantX {
   int64_t nb;
 };
 
-#if PAGEDSERVE_SIMD
-// One block of 32 values, the arithmetic of the scalar loop below (bit-equal: the same max,
-// scale, product and rounding per value), 8 lanes at a time.
+// max |x_t| of one block of 32 values: 8 lanes at a time where the tier has them, with the
+// same result as the scalar loop (a NaN value does not win the max in either).
 template <typename T>
-inline void quantize_block(const T* src, QuantX& qx, int64_t i) {
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int j = 0; j < 4; ++j) {
-    v[j] = Avx2::load(src + 8 * j);
-    amax = _mm256_max_ps(_mm256_and_ps(v[j], absmask), amax);  // a NaN lane keeps amax
+inline float block_amax(const T* src, bool generic) {
+#if PAGEDSERVE_SIMD
+  if (!generic) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j)  // a NaN lane keeps amax
+      amax = _mm256_max_ps(_mm256_and_ps(Avx2::load(src + 8 * j), absmask), amax);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
   }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  volatile float dv = _mm_cvtss_f32(m) * kInv127;  // see quantize_rows
-  const float d = dv, id = d != 0.f ? 1.f / d : 0.f;
-  const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  __m256i qi[4];
-  for (int j = 0; j < 4; ++j) {
-    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], vid),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-  }
-  // int32 -> int8 by two saturating packs (exact: |q| <= 127), which interleave 4-byte groups
-  // across the 128-bit halves; one permute puts them back in order.
-  const __m256i packed = _mm256_permutevar8x32_epi32(
-      _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx.q + i * QK), packed);
-  auto hsum = [](__m256i a) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-  };
-  const int32_t h0 = hsum(_mm256_add_epi32(qi[0], qi[1])), h1 = hsum(_mm256_add_epi32(qi[2], qi[3]));
-  const int32_t sum = h0 + h1;
-  qx.d[i] = d;
-  qx.sum[i] = sum;
-  qx.sum16[2 * i] = h0;
-  qx.sum16[2 * i + 1] = h1;
-  qx.nsum[i] = -sum;
-  qx.nsum16[2 * i] = -h0;
-  qx.nsum16[2 * i + 1] = -h1;
-  qx.s[i] = d * static_cast<float>(sum);
+#endif
+  float amax = 0.f;
+  for (int t = 0; t < QK; ++t) amax = std::fmax(amax, std::fabs(load(src[t])));
+  return amax;
 }
-#endif
 
+// One block of 32 values as block i of qx with the scale of ``amax`` (its own, or its 256-value
+// group's): d = amax * (1 / 127), q_t = round_half_even(x_t * (1 / d)), the sums. The SIMD path
+// is bit-equal to the scalar loop (the same scale, product and rounding per value).
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx, bool generic = false) {
-  const int64_t nb = k / QK;
-#pragma omp parallel for schedule(static) if (m * k >= (1 << 15))
-  for (int64_t i = 0; i < m * nb; ++i) {
-    const T* src = x + i * QK;  // rows are contiguous: block i of the whole matrix
+inline void quantize_block(const T* src, QuantX& qx, int64_t i, float amax, bool generic) {
+  // Through a volatile: -ffast-math would otherwise fold 1 / (amax * (1 / 127)) into
+  // 127 / amax, a different rounding than the reference's (once per block, no cost).
+  volatile float dv = amax * kInv127;
+  const float d = dv, id = d != 0.f ? 1.f / d : 0.f;
+  int32_t half[2] = {0, 0};
 #if PAGEDSERVE_SIMD
-    if (!generic) {
-      quantize_block(src, qx, i);
-      continue;
+  if (!generic) {
+    const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(Avx2::load(src + 8 * j), vid),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
+    // int32 -> int8 by two saturating packs (exact: |q| <= 127), which interleave 4-byte groups
+    // across the 128-bit halves; one permute puts them back in order.
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx.q + i * QK), packed);
+    auto hsum = [](__m256i a) {
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+      return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+    };
+    half[0] = hsum(_mm256_add_epi32(qi[0], qi[1]));
+    half[1] = hsum(_mm256_add_epi32(qi[2], qi[3]));
+  } else
 #endif
-    float v[QK], amax = 0.f;
-    for (int t = 0; t < QK; ++t) {
-      v[t] = load(src[t]);
-      amax = std::fmax(amax, std::fabs(v[t]));
-    }
-    // Through a volatile: -ffast-math would otherwise fold 1 / (amax * (1 / 127)) into
-    // 127 / amax, a different rounding than the reference's (once per block, no cost).
-    volatile float dv = amax * kInv127;
-    const float d = dv, id = d != 0.f ? 1.f / d : 0.f;
+  {
     int8_t* q = qx.q + i * QK;
-    int32_t half[2] = {0, 0};
     for (int t = 0; t < QK; ++t) {
-      float r = std::nearbyint(v[t] * id);  // ties to even, as torch.round
+      float r = std::nearbyint(load(src[t]) * id);  // ties to even, as torch.round
       r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
       q[t] = static_cast<int8_t>(r);
       half[t / 16] += q[t];
     }
-    const int32_t sum = half[0] + half[1];
-    qx.d[i] = d;
-    qx.sum[i] = sum;
-    qx.sum16[2 * i] = half[0];
-    qx.sum16[2 * i + 1] = half[1];
-    qx.nsum[i] = -sum;
-    qx.nsum16[2 * i] = -half[0];
-    qx.nsum16[2 * i + 1] = -half[1];
-    qx.s[i] = d * static_cast<float>(sum);
+  }
+  const int32_t sum = half[0] + half[1];
+  qx.d[i] = d;
+  qx.sum[i] = sum;
+  qx.sum16[2 * i] = half[0];
+  qx.sum16[2 * i + 1] = half[1];
+  qx.nsum[i] = -sum;
+  qx.nsum16[2 * i] = -half[0];
+  qx.nsum16[2 * i + 1] = -half[1];
+  qx.s[i] = d * static_cast<float>(sum);
+}
+
+// x [m, k] into qx, one scale per ``group`` blocks of 32 (1: llama.cpp's Q8_0 activations; 8:
+// its Q8_K's 256 values, which the K-quant tiles fold into one float step per 256 weights).
+// A group's scale is stored with each of its blocks, so every loop reads qx the same way.
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, QuantX& qx, int64_t group,
+                   bool generic = false) {
+  const int64_t groups = m * (k / QK) / group;
+#pragma omp parallel for schedule(static) if (m * k >= (1 << 15))
+  for (int64_t g = 0; g < groups; ++g) {
+    const T* src = x + g * group * QK;  // rows are contiguous: group g of the whole matrix
+    float amax = block_amax(src, generic);
+    for (int64_t j = 1; j < group; ++j) amax = std::fmax(amax, block_amax(src + j * QK, generic));
+    for (int64_t j = 0; j < group; ++j) quantize_block(src + j * QK, qx, g * group + j, amax, generic);
   }
 }
 
@@ -252,6 +256,20 @@ struct I8 {
     const __m128i va = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
     const __m128i vb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
     return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(va, vb));
+  }
+  static I u8pairs(const uint8_t* a, const uint8_t* b) {  // as s8pairs, of uint8
+    const __m128i va = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a));
+    const __m128i vb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(va, vb));
+  }
+  static I dot16(I acc, I a, I b) {  // acc + the int16 pair products of a and b, per lane
+#if defined(PAGEDSERVE_Q8_VNNI) && defined(__AVX512VNNI__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(PAGEDSERVE_Q8_VNNI)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
   }
   static I bcast16pair(const int32_t* p) {  // (int16(p[0]), int16(p[1])) in every lane
     return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(p[1]) << 16) |
@@ -339,6 +357,18 @@ struct I16 {
     const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
     const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
     return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
+  }
+  static I u8pairs(const uint8_t* a, const uint8_t* b) {
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
+  }
+  static I dot16(I acc, I a, I b) {
+#if defined(PAGEDSERVE_Q8_VNNI)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
   }
   static I bcast16pair(const int32_t* p) {
     return _mm512_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(p[1]) << 16) |
@@ -564,9 +594,14 @@ inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* ou
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
-// Q4_K / Q5_K's 256-weight blocks: sub-blocks 2j and 2j + 1 share code bytes (low and high
-// nibbles), each has its own scale d * sc and minimum dmin * m. One sub-block at a time (the
+// Q4_K / Q5_K's 256-weight blocks against Q8_K-style activations (one scale dx per 256):
+//     dx * (d * sum_s sc_s * isum_s - dmin * sum_s m_s * sum(q_s))
+// Sub-blocks 2j and 2j + 1 share code bytes (low and high nibbles); one sub-block at a time (the
 // code bytes are read twice, from L1), so a tile holds MR x NC integer sums, not twice that.
+// VNNI: each sub-block's int32 sum times d * sc_s into a float sum of the block. Otherwise the
+// int16 pair sums are widened by vpmaddwd against sc_s (which multiplies the scale in), so the
+// block's sum stays in int32. The minimums' term is integer too: (m_2j, m_2j+1) as int16 pairs
+// against the activations' pairs of 32-value sums, 4 vpdpwssd (or vpmaddwd) per row and block.
 template <class V, int64_t TYPE, int MR, typename T>
 inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
                          int64_t ldo, int64_t cols) {
@@ -580,12 +615,19 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
     for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    typename V::F d[NC], dmin[NC];
+    typename V::F d[NC];
     #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) {
-      d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
-      dmin[c] = V::halves(blk + tail + 288 + c * V::L * 2);
-    }
+    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
+    // VNNI: float sums of d * sc_s * isum_s; otherwise int32 sums of sc_s * isum_s.
+    typename V::F fsb[MR][NC];
+    typename V::I isb[MR][NC];
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        if constexpr (kVnni) fsb[r][c] = V::fzero();
+        else isb[r][c] = V::zero();
+      }
 #pragma GCC unroll 1
     for (int j = 0; j < 4; ++j)
 #pragma GCC unroll 2
@@ -594,6 +636,18 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
       if (r0 == 0) prefetch(blk + 2 * PR * pb + s * (PR * pb / 8), PR * pb / 8 + 64);
       using Dots = DotSum<V, TYPE == Q4_K ? 8 : 4, MR * NC <= 2 ? 2 : 1>;
       Dots dots[MR][NC];
+      if constexpr (!kVnni)
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r)
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) dots[r][c] = Dots(isb[r][c]);
+      typename V::I scp[NC];  // non-VNNI: sc_s as int16 pairs, the widening's multiplier
+      if constexpr (!kVnni)
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const uint8_t* p = blk + tail + s * 16 + c * V::L;
+          scp[c] = V::u8pairs(p, p);
+        }
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         typename V::I u[NC];
@@ -610,32 +664,67 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
         for (int r = 0; r < MR; ++r) {
           const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b * 8 + s) * QK + 4 * g);
           #pragma GCC unroll 16
-          for (int c = 0; c < NC; ++c) dots[r][c].add(u[c], xs);
+          for (int c = 0; c < NC; ++c) {
+            if constexpr (kVnni) dots[r][c].add(u[c], xs);
+            else dots[r][c].add(u[c], xs, scp[c]);
+          }
         }
       }
-      typename V::F dw[NC], dm[NC];
+      if constexpr (kVnni) {
+        typename V::F dw[NC];
+        #pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) dw[c] = V::mul(d[c], V::u8f(blk + tail + s * 16 + c * V::L));
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r)
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c)
+            fsb[r][c] = V::fmadd(V::cvt(dots[r][c].sum()), dw[c], fsb[r][c]);
+      } else {
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r)
+          #pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) isb[r][c] = dots[r][c].sum(scp[c]);
+      }
+    }
+    typename V::I mins[MR][NC];
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) mins[r][c] = V::zero();
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      typename V::I mp[NC];
       #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) {
-        dw[c] = V::mul(d[c], V::u8f(blk + tail + s * 16 + c * V::L));
-        dm[c] = V::mul(dmin[c], V::u8f(blk + tail + 128 + s * 16 + c * V::L));
+        const uint8_t* p = blk + tail + 128 + 2 * j * 16 + c * V::L;
+        mp[c] = V::u8pairs(p, p + 16);
       }
       #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        const int64_t i = (r0 + r) * nb + b * 8 + s;
-        const typename V::F dx = V::fset1(qx.d[i]), sx = V::fset1(qx.s[i]);
+        const typename V::I sp = V::bcast16pair(qx.sum + (r0 + r) * nb + b * 8 + 2 * j);
         #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) {
-          acc[r][c] = V::fmadd(V::cvt(dots[r][c].sum()), V::mul(dw[c], dx), acc[r][c]);
-          acc[r][c] = V::fnmadd(dm[c], sx, acc[r][c]);  // + (-(dmin * m)) * d * sum(q)
-        }
+        for (int c = 0; c < NC; ++c) mins[r][c] = V::dot16(mins[r][c], mp[c], sp);
+      }
+    }
+    typename V::F dmin[NC];
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) dmin[c] = V::halves(blk + tail + 288 + c * V::L * 2);
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8]);
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) {
+        const typename V::F main = kVnni ? fsb[r][c] : V::mul(d[c], V::cvt(isb[r][c]));
+        acc[r][c] = V::fmadd(V::fnmadd(dmin[c], V::cvt(mins[r][c]), main), dx, acc[r][c]);
       }
     }
   }
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
-// Q6_K: per 32-weight sub-block, the two 16-weight groups' integer sums (codes q6 - 32, the
-// -32 as -32 * their activation sums) times their int8 scales, summed in integers, then d.
+// Q6_K against Q8_K-style activations (one scale dx per 256): per 16-weight group, the integer
+// sum (codes q6 - 32, the -32 as -32 * the group's activation sum) times its int8 scale, summed
+// in integers over the whole block, then one float step d * dx.
 template <class V, int MR, typename T>
 inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
                            int64_t ldo, int64_t cols) {
@@ -649,54 +738,60 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T
     for (int c = 0; c < NC; ++c) acc[r][c] = V::fzero();
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
-    typename V::F d[NC];
+    typename V::I tot[MR][NC];
 #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) tot[r][c] = V::zero();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, s4 = s % 4;
       if (r0 == 0) prefetch(blk + 2 * PR * pb + s * (PR * pb / 8), PR * pb / 8 + 64);
-      using Dots = DotSum<V, 2, MR * NC <= 2 ? 2 : 1>;
-      Dots ia[MR][NC], ib[MR][NC];
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const int64_t i = (r0 + r) * nb + b * 8 + s;
-        const typename V::I ca = V::corr(qx.nsum16 + 2 * i, 5), cb = V::corr(qx.nsum16 + 2 * i + 1, 5);
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) ia[r][c] = Dots(ca), ib[r][c] = Dots(cb);
-      }
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {
-        typename V::I u[NC];
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) {
-          const int64_t o = c * V::L * 4;
-          const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
-          const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
-          u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw), V::bits_to4(hv, 2 * s4, 0x30));
-        }
+#pragma GCC unroll 2
+      for (int part = 0; part < 2; ++part) {  // the two 16-weight groups, one at a time
+        using Dots = DotSum<V, 2, MR * NC <= 2 ? 2 : 1>;
+        Dots ia[MR][NC];
 #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b * 8 + s) * QK + 4 * g);
+          const int64_t i = (r0 + r) * nb + b * 8 + s;
+          const typename V::I ca = V::corr(qx.nsum16 + 2 * i + part, 5);
 #pragma GCC unroll 16
-          for (int c = 0; c < NC; ++c) (g < 4 ? ia[r][c] : ib[r][c]).add(u[c], xs);
+          for (int c = 0; c < NC; ++c) ia[r][c] = Dots(ca);
         }
-      }
-      typename V::I sca[NC], scb[NC];
+#pragma GCC unroll 4
+        for (int g = 4 * part; g < 4 * part + 4; ++g) {
+          typename V::I u[NC];
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) {
-        sca[c] = V::s8i(blk + tail + (2 * s) * 16 + c * V::L);
-        scb[c] = V::s8i(blk + tail + (2 * s + 1) * 16 + c * V::L);
-      }
+          for (int c = 0; c < NC; ++c) {
+            const int64_t o = c * V::L * 4;
+            const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
+            const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
+            u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw), V::bits_to4(hv, 2 * s4, 0x30));
+          }
 #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8 + s]);
+          for (int r = 0; r < MR; ++r) {
+            const typename V::I xs = V::bcast(qx.q + ((r0 + r) * nb + b * 8 + s) * QK + 4 * g);
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) {
-          const typename V::I tot = V::add(V::mullo(ia[r][c].sum(), sca[c]), V::mullo(ib[r][c].sum(), scb[c]));
-          acc[r][c] = V::fmadd(V::cvt(tot), V::mul(d[c], dx), acc[r][c]);
+            for (int c = 0; c < NC; ++c) ia[r][c].add(u[c], xs);
+          }
         }
+        typename V::I sc[NC];
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) sc[c] = V::s8i(blk + tail + (2 * s + part) * 16 + c * V::L);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+          for (int c = 0; c < NC; ++c) tot[r][c] = V::add(tot[r][c], V::mullo(ia[r][c].sum(), sc[c]));
       }
+    }
+    typename V::F d[NC];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
     }
   }
   store_tile<V, MR>(acc, out, r0, ldo, cols);
@@ -720,13 +815,18 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
   for (int64_t b = 0; b < nb / 8; ++b) {
     const uint8_t* blk = panel + b * PR * pb;
     if (MR > 2 && r0 == 0) prefetch(blk + 2 * PR * pb, PR * pb);
+    typename V::I tot[MR][NC];  // the block's int32 sums, all 8 sub-blocks
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      #pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) tot[r][c] = V::zero();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int h = s / 4, s4 = s % 4;
       // Spread over the sub-blocks where few rows leave the loads waiting on memory; at 3+
       // rows the 16 AVX2 registers are full and the extra loop costs more than it hides.
       if (MR <= 2 && r0 == 0) prefetch(blk + 2 * PR * pb + s * (PR * pb / 8), PR * pb / 8 + 64);
-      typename V::I sab[NC], tot[MR][NC];
+      typename V::I sab[NC];
       #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c)
         sab[c] = V::s8pairs(blk + tail + 2 * s * 16 + c * V::L, blk + tail + (2 * s + 1) * 16 + c * V::L);
@@ -735,7 +835,7 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
         const int64_t i = (r0 + r) * nb + b * 8 + s;
         const typename V::I negs = V::bcast16pair(qx.nsum16 + 2 * i);
         #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) tot[r][c] = V::slli32(V::madd16(negs, sab[c]), 5);
+        for (int c = 0; c < NC; ++c) tot[r][c] = V::add(tot[r][c], V::slli32(V::madd16(negs, sab[c]), 5));
       }
 #pragma GCC unroll 2
       for (int part = 0; part < 2; ++part) {
@@ -768,16 +868,16 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
           }
         }
       }
-      typename V::F d[NC];
+    }
+    typename V::F d[NC];
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8]);
       #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8 + s]);
-        #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c)
-          acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
-      }
+      for (int c = 0; c < NC; ++c)
+        acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
     }
   }
   store_tile<V, MR>(acc, out, r0, ldo, cols);
@@ -794,11 +894,12 @@ inline void tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out, int
 }
 
 // Rows of x per tile: as many as the registers hold beside the tile's sums. 32 registers
-// (AVX-512): 8. AVX2's 16: 4 for the 32-weight types (8 sums of two column vectors), 3 for the
-// K-quants, whose sub-block loop holds more.
+// (AVX-512): 8. AVX2's 16: 4 for the 32-weight types (8 sums of two column vectors) and for the
+// K-quants without VNNI (measured best from 2 to 6 rows on Zen 4, some sums spilled: the
+// decoded weights serve more rows), 3 for the K-quants with VNNI, whose block sums are float.
 template <class V, int64_t TYPE>
 constexpr int tile_rows() {
-  return V::L == 16 ? 8 : k_quant(TYPE) ? 3 : 4;
+  return V::L == 16 ? 8 : k_quant(TYPE) && kVnni ? 3 : 4;
 }
 
 template <class V, int64_t TYPE, typename T>
@@ -841,7 +942,7 @@ int q8_linear(const T* x, const uint8_t* w, T* out, int64_t m, int64_t n, int64_
   if (!qx.q || !qx.d || !qx.s || !qx.sum || !qx.sum16 || !qx.nsum || !qx.nsum16) {
     rc = -2;
   } else {
-    quantize_rows(x, m, k, qx, generic != 0);
+    quantize_rows(x, m, k, qx, k_quant(type) ? 8 : 1, generic != 0);
 #if PAGEDSERVE_SIMD
     if (!generic) {
       switch (type) {

@@ -69,6 +69,20 @@ def test_reference_quantizes_like_llama_cpp_q8_0():
     torch.testing.assert_close(d * 127, x.reshape(3, 2, 32).abs().amax(-1))
 
 
+def test_reference_quantizes_k_quant_activations_per_256():
+    """Against K-quants one scale covers 256 values (llama.cpp's Q8_K size): every 32-block of
+    a group carries the group's scale, and the codes are the round of x / d with it."""
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
+    x[0, 3] = 9.0  # one large value sets the scale of its whole group of 256
+    q, d = q8_reference.quantize_activations(x, 256)
+    assert d.shape == (2, 16) and q.shape == (2, 16, 32)
+    torch.testing.assert_close(d[0, :8], torch.full((8,), 9.0 / 127))
+    assert d[0, 8] != d[0, 0] and (d[0, 8:] == d[0, 8]).all()
+    assert q[0, 0, 3] == 127
+    want = torch.round(x.reshape(2, 16, 32) / d[..., None]).to(torch.int32)
+    assert (q - want).abs().max() <= 1 and (q == want).float().mean() > 0.99
+
+
 def test_rejects_bad_input():
     blocks, _ = random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=0)
     packed = gguf_ops.gguf_q8_repack(blocks, 3, 64)

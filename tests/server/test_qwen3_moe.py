@@ -238,4 +238,10 @@ async def test_kquant_gguf_experts_kept_quantized_match_transformers(tmp_path,
             lp = [c["logprob"] for c in got["logprobs"]["content"]]
             assert lp == pytest.approx(want_lp, abs=2e-3)
         else:
-            assert got["token_ids"][:3] == want[:3]
+            # int8 quantizes activations per 256 values against K-quants (llama.cpp's Q8_K),
+            # coarser than per 32: this random model's flat next-token distributions (logprobs
+            # near -5.5) tie closely enough that the third token may flip, so two tokens and the
+            # first one's logprob.
+            assert got["token_ids"][:2] == want[:2]
+            first_lp = got["logprobs"]["content"][0]["logprob"]
+            assert first_lp == pytest.approx(want_lp[0], abs=0.25)
