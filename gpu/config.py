@@ -69,9 +69,9 @@ class ModelConfig:
     cpu_linear_mode: str = field(default="auto", metadata={
         "help": "GGUF linears on the CPU: exact = float32 products of the de-quantized weights "
                 "(greedy output equals transformers'); int8 = activations quantized to 8 bits "
-                "per 32 values (256 against K-quants), integer products (faster, output differs: docs); auto = "
-                "the faster per batch size as measured for this CPU tier, exact when --dtype "
-                "float32 is given",
+                "per 32 values (256 against K-quants), integer products (faster, output "
+                "differs: docs); auto = the faster per batch size as measured for this CPU "
+                "tier, exact when --dtype float32 is given",
         "choices": ("exact", "int8", "auto"),
     })
     seed: int = field(default=0, metadata={"help": "global seed for requests without their own"})

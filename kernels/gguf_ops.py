@@ -187,8 +187,8 @@ def gguf_q8_dequantize_rows(packed: torch.Tensor, qtype: int, in_features: int,
 def gguf_q8_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out_features: int,
                    variant: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` with ``x`` quantized to int8 per 32 values (per 256 against the K-quants)
-    and integer block products
-    (llama.cpp's arithmetic; ``q8_reference.gguf_q8_linear`` is the same in torch).
+    and integer block products (llama.cpp's arithmetic; ``q8_reference.gguf_q8_linear`` is the
+    same in torch).
 
     Args:
         x: ``[..., K]`` float32 or bfloat16, K a multiple of the type's block.

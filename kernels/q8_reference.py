@@ -105,7 +105,8 @@ def weight_codes(qweight: torch.Tensor, qtype: int, k: int):
 def gguf_q8_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     """``x`` ``[M, K]`` times the GGUF rows' transpose → ``[M, N]`` float32, the int8 mode's
     arithmetic (activations per 256 values against K-quants, else per 32): per block
-    ``(dw * dx) * isum`` (+ ``mw * (dx * sum(q))``), blocks summed in float64 (the kernels sum in float32 in their own order: that is the only difference)."""
+    ``(dw * dx) * isum`` (+ ``mw * (dx * sum(q))``), blocks summed in float64 (the kernels sum
+    in float32 in their own order: that is the only difference)."""
     k = x.shape[-1]
     qx, dx = quantize_activations(x, 256 if qtype in K_QUANTS else QK)
     codes, dw, mw = weight_codes(qweight, qtype, k)

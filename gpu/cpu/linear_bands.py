@@ -5,7 +5,8 @@ A call's rows (the step's tokens) fall in a *band*; each band names a path:
 - ``exact``: ``gguf_ops.gguf_linear``, float32 products of the exactly de-quantized weights
   (greedy output equals transformers' on the same file);
 - ``int8``: ``gguf_ops.gguf_q8_linear``, activations quantized to 8 bits per 32-value block
-  (256 against K-quants) and integer block products (llama.cpp's arithmetic; output differs, see docs/cpu-performance.md).
+  (256 against K-quants) and integer block products (llama.cpp's arithmetic; output differs,
+  see docs/cpu-performance.md).
 
 A layer holds ONE copy of its weights, the form its path reads: the file's rows (``exact``)
 or the int8 kernel's panels (``gguf_q8_repack``, the same bytes). So a plan names one path for

@@ -369,7 +369,8 @@ struct I16 {
   static I u8pairs(const uint8_t* a, const uint8_t* b) {
     const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
     const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
+    return _mm512_cvtepu8_epi16(
+        _mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
   }
   static I dot16(I acc, I a, I b) {
 #if defined(PAGEDSERVE_Q8_VNNI)
@@ -852,7 +853,8 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
         const int64_t i = (r0 + r) * nb + b * 8 + s;
         const typename V::I negs = V::bcast16pair(qx.nhalf + 2 * i);
         #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) tot[r][c] = V::add(tot[r][c], V::slli32(V::madd16(negs, sab[c]), 5));
+        for (int c = 0; c < NC; ++c)
+          tot[r][c] = V::add(tot[r][c], V::slli32(V::madd16(negs, sab[c]), 5));
       }
 #pragma GCC unroll 2
       for (int part = 0; part < 2; ++part) {
