@@ -736,6 +736,23 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
+// The end of a Q6_K block in either tile: its int32 sums times d * dx into the accumulators.
+template <class V, int MR>
+inline void q6k_block_end(typename V::F (*acc)[kNC<V>], const typename V::I (*tot)[kNC<V>],
+                          const uint8_t* blk, const QuantX& qx, int64_t r0, int64_t b) {
+  constexpr int NC = kNC<V>;
+  typename V::F d[NC];
+  #pragma GCC unroll 16
+  for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail_off(Q6_K) + 256 + c * V::L * 2);
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    const typename V::F dx = V::fset1(qx.d[(r0 + r) * qx.nb + b * 8]);
+    #pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c)
+      acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
+  }
+}
+
 // Q6_K against Q8_K-style activations (one scale dx per 256): per 16-weight group, the integer
 // sum (codes q6 - 32, the -32 as -32 * the group's activation sum) times its int8 scale, summed
 // in integers over the whole block, then one float step d * dx.
@@ -801,16 +818,7 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T
             tot[r][c] = V::add(tot[r][c], V::mullo(ia[r][c].sum(), sc[c]));
       }
     }
-    typename V::F d[NC];
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8]);
-#pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c)
-        acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
-    }
+    q6k_block_end<V, MR>(acc, tot, blk, qx, r0, b);
   }
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
@@ -888,16 +896,7 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
         }
       }
     }
-    typename V::F d[NC];
-    #pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) d[c] = V::halves(blk + tail + 256 + c * V::L * 2);
-    #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const typename V::F dx = V::fset1(qx.d[(r0 + r) * nb + b * 8]);
-      #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c)
-        acc[r][c] = V::fmadd(V::cvt(tot[r][c]), V::mul(d[c], dx), acc[r][c]);
-    }
+    q6k_block_end<V, MR>(acc, tot, blk, qx, r0, b);
   }
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
