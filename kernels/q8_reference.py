@@ -21,7 +21,7 @@ QK = 32
 _INV_127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)
 
 
-K_QUANTS = (12, 13, 14)  # Q4_K, Q5_K, Q6_K: activations per 256 values
+K_QUANTS = (12, 13, 14)  # Q4_K, Q5_K, Q6_K: 256-weight blocks, activations per 256 values
 
 
 def quantize_activations(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ def weight_codes(qweight: torch.Tensor, qtype: int, k: int):
     dw = d * sc, mw = -(dmin * m); Q6_K: code = sc * (q - 32), dw = d). Written from
     llama.cpp's ``ggml-common.h`` layouts, independently of the C++ decoder."""
     n, nb = qweight.shape[0], k // QK
-    if qtype in (12, 13, 14):  # K-quants: 256-weight blocks of 8 sub-blocks
+    if qtype in K_QUANTS:  # 256-weight blocks of 8 sub-blocks
         b = qweight.reshape(n, k // 256, -1)
         if qtype == 14:  # Q6_K: ql[128] qh[64] scales int8[16] d
             ql = b[..., 0:128].reshape(n, -1, 2, 1, 64).to(torch.int32)
