@@ -214,12 +214,22 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
+// acc + p in int32 lanes, as an asm statement so that GCC keeps a tile's sums as chains: it
+// reassociated the maddubs tiles' widened sums into trees that held a block's products live
+// at once, spilled to the stack (Zen 4, AVX2 Q6_K at 32 rows: 78 -> 90 GMAC/s with this).
+template <class I>
+inline I add32_chain(I acc, I p) {
+  __asm__("vpaddd %1, %0, %0" : "+v"(acc) : "v"(p));
+  return acc;
+}
+
 // 8 int32 lanes (AVX2; vpdpbusd from AVX-VNNI or, in the avx512 tier, AVX512-VNNI's VL form).
 struct I8 {
   static constexpr int L = 8;
   using I = __m256i;
   using F = __m256;
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  static void store(uint8_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<I*>(p), v); }
   static I bcast(const int8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -245,7 +255,7 @@ struct I8 {
   static I pairs(I u, I s) { return _mm256_maddubs_epi16(u, s); }  // int16 pair sums
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I widen(I acc, I s16, I by) {  // acc + the int16 pair sums times by, in int32 lanes
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, by));
+    return add32_chain(acc, _mm256_madd_epi16(s16, by));
   }
   static I corr(const int32_t* p, int shift) {  // *p * 2^shift in every lane
     return _mm256_slli_epi32(_mm256_set1_epi32(*p), shift);
@@ -328,6 +338,7 @@ struct I16 {
   using I = __m512i;
   using F = __m512;
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void store(uint8_t* p, I v) { _mm512_storeu_si512(p, v); }
   static I bcast(const int8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -354,7 +365,7 @@ struct I16 {
   static I pairs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
   static I widen(I acc, I s16, I by) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, by));
+    return add32_chain(acc, _mm512_madd_epi16(s16, by));
   }
   static I corr(const int32_t* p, int shift) {
     return _mm512_slli_epi32(_mm512_set1_epi32(*p), shift);
@@ -608,6 +619,17 @@ inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* ou
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
+// The K-quant tiles' source of codes: CODES 0 decodes them from the panel; where several
+// tiles of rows pass over one panel without VNNI, the first (kCodesWrite) also stores them,
+// one byte per weight in the panel's order, (block * 8 + sub-block) * 8 + group 64-byte lines,
+// and the others (kCodesRead) load them back: the maddubs tiles spend their vector ports on
+// every instruction, and the nibble masks, shifts and high-bit merges were one in 6-8 of them
+// (Zen 4, 1 thread, 32 rows of 2048x2048, AVX2: Q4_K 120 -> 132 GMAC/s, Q6_K 73 -> 78; with
+// add32_chain too, Q5_K 83 -> 117, and on AVX-512 Q5_K 105 -> 121, Q6_K 85 -> 105). Not taken
+// where it measured no faster: under VNNI, and for Q4_K's one-mask decoding in AVX-512's 8-row
+// tiles (139 -> 129).
+constexpr int kCodesWrite = 1, kCodesRead = 2;
+
 // Q4_K / Q5_K's 256-weight blocks against Q8_K-style activations (one scale dx per 256):
 //     dx * (d * sum_s sc_s * isum_s - dmin * sum_s m_s * sum(q_s))
 // Sub-blocks 2j and 2j + 1 share code bytes (low and high nibbles); one sub-block at a time (the
@@ -616,9 +638,9 @@ inline void panel_tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* ou
 // int16 pair sums are widened by vpmaddwd against sc_s (which multiplies the scale in), so the
 // block's sum stays in int32. The minimums' term is integer too: (m_2j, m_2j+1) as int16 pairs
 // against the activations' pairs of 32-value sums, 4 vpdpwssd (or vpmaddwd) per row and block.
-template <class V, int64_t TYPE, int MR, typename T>
+template <class V, int64_t TYPE, int MR, int CODES, typename T>
 inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
-                         int64_t ldo, int64_t cols, bool pf) {
+                         int64_t ldo, int64_t cols, bool pf, uint8_t* codes) {
   constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(TYPE), tail = tail_off(TYPE);
   const int64_t nb = qx.nb;
@@ -667,11 +689,17 @@ inline void panel_tile_k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* 
         typename V::I u[NC];
         #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) {
-          const typename V::I raw = V::load(blk + (8 * j + g) * 64 + c * V::L * 4);
-          u[c] = half ? V::high4(raw) : V::low4(raw);
-          if constexpr (TYPE == Q5_K) {
-            const typename V::I h = V::load(blk + high_off(TYPE) + g * 64 + c * V::L * 4);
-            u[c] = V::or_(u[c], V::bits_to4(h, s, 0x10));
+          const int64_t co = ((b * 8 + s) * 8 + g) * 64 + c * V::L * 4;
+          if constexpr (CODES == kCodesRead) {
+            u[c] = V::load(codes + co);
+          } else {
+            const typename V::I raw = V::load(blk + (8 * j + g) * 64 + c * V::L * 4);
+            u[c] = half ? V::high4(raw) : V::low4(raw);
+            if constexpr (TYPE == Q5_K) {
+              const typename V::I h = V::load(blk + high_off(TYPE) + g * 64 + c * V::L * 4);
+              u[c] = V::or_(u[c], V::bits_to4(h, s, 0x10));
+            }
+            if constexpr (CODES == kCodesWrite) V::store(codes + co, u[c]);
           }
         }
         #pragma GCC unroll 16
@@ -756,9 +784,9 @@ inline void q6k_block_end(typename V::F (*acc)[kNC<V>], const typename V::I (*to
 // Q6_K against Q8_K-style activations (one scale dx per 256): per 16-weight group, the integer
 // sum (codes q6 - 32, the -32 as -32 * the group's activation sum) times its int8 scale, summed
 // in integers over the whole block, then one float step d * dx.
-template <class V, int MR, typename T>
+template <class V, int MR, int CODES, typename T>
 inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
-                           int64_t ldo, int64_t cols, bool pf) {
+                           int64_t ldo, int64_t cols, bool pf, uint8_t* codes) {
   constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(Q6_K), tail = tail_off(Q6_K), hoff = high_off(Q6_K);
   const int64_t nb = qx.nb;
@@ -797,9 +825,16 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T
 #pragma GCC unroll 16
           for (int c = 0; c < NC; ++c) {
             const int64_t o = c * V::L * 4;
-            const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
-            const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
-            u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw), V::bits_to4(hv, 2 * s4, 0x30));
+            const int64_t co = ((b * 8 + s) * 8 + g) * 64 + o;
+            if constexpr (CODES == kCodesRead) {
+              u[c] = V::load(codes + co);
+            } else {
+              const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
+              const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
+              u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw),
+                            V::bits_to4(hv, 2 * s4, 0x30));
+              if constexpr (CODES == kCodesWrite) V::store(codes + co, u[c]);
+            }
           }
 #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
@@ -827,9 +862,9 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T
 // against the 16-weight group's int8 scale as int16 pairs (the widening multiplies the scale
 // in), so each (row, column vector) holds one int32 sum per sub-block. The -32 offsets of both
 // groups are one vpmaddwd too: (-sum16a, -sum16b) against (sca, scb), times 32.
-template <class V, int MR, typename T>
+template <class V, int MR, int CODES, typename T>
 inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
-                                 int64_t ldo, int64_t cols, bool pf) {
+                                 int64_t ldo, int64_t cols, bool pf, uint8_t* codes) {
   constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(Q6_K), tail = tail_off(Q6_K), hoff = high_off(Q6_K);
   const int64_t nb = qx.nb;
@@ -878,12 +913,21 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
           #pragma GCC unroll 16
           for (int c = 0; c < NC; ++c) {
             const int64_t o = c * V::L * 4;
-            const typename V::I raw0 = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
-            const typename V::I raw1 = V::load(blk + (16 * h + 8 * (s4 & 1) + g + 1) * 64 + o);
-            const typename V::I h0 = V::load(blk + hoff + (8 * h + g) * 64 + o);
-            const typename V::I h1 = V::load(blk + hoff + (8 * h + g + 1) * 64 + o);
-            u0[c] = V::or_(s4 >> 1 ? V::high4(raw0) : V::low4(raw0), V::bits_to4(h0, 2 * s4, 0x30));
-            u1[c] = V::or_(s4 >> 1 ? V::high4(raw1) : V::low4(raw1), V::bits_to4(h1, 2 * s4, 0x30));
+            const int64_t co = ((b * 8 + s) * 8 + g) * 64 + o;
+            if constexpr (CODES == kCodesRead) {
+              u0[c] = V::load(codes + co), u1[c] = V::load(codes + co + 64);
+            } else {
+              const typename V::I raw0 = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
+              const typename V::I raw1 = V::load(blk + (16 * h + 8 * (s4 & 1) + g + 1) * 64 + o);
+              const typename V::I h0 = V::load(blk + hoff + (8 * h + g) * 64 + o);
+              const typename V::I h1 = V::load(blk + hoff + (8 * h + g + 1) * 64 + o);
+              u0[c] = V::or_(s4 >> 1 ? V::high4(raw0) : V::low4(raw0),
+                             V::bits_to4(h0, 2 * s4, 0x30));
+              u1[c] = V::or_(s4 >> 1 ? V::high4(raw1) : V::low4(raw1),
+                             V::bits_to4(h1, 2 * s4, 0x30));
+              if constexpr (CODES == kCodesWrite)
+                V::store(codes + co, u0[c]), V::store(codes + co + 64, u1[c]);
+            }
           }
           #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
@@ -901,14 +945,15 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
   store_tile<V, MR>(acc, out, r0, ldo, cols);
 }
 
-template <class V, int64_t TYPE, int MR, typename T>
+template <class V, int64_t TYPE, int MR, int CODES, typename T>
 inline void tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out, int64_t ldo,
-                 int64_t cols, bool pf) {
+                 int64_t cols, bool pf, uint8_t* codes) {
   if constexpr (TYPE == Q6_K && !kVnni)
-    panel_tile_q6k_pairs<V, MR>(qx, r0, panel, out, ldo, cols, pf);
-  else if constexpr (TYPE == Q6_K) panel_tile_q6k<V, MR>(qx, r0, panel, out, ldo, cols, pf);
+    panel_tile_q6k_pairs<V, MR, CODES>(qx, r0, panel, out, ldo, cols, pf, codes);
+  else if constexpr (TYPE == Q6_K)
+    panel_tile_q6k<V, MR, CODES>(qx, r0, panel, out, ldo, cols, pf, codes);
   else if constexpr (TYPE == Q4_K || TYPE == Q5_K)
-    panel_tile_k<V, TYPE, MR>(qx, r0, panel, out, ldo, cols, pf);
+    panel_tile_k<V, TYPE, MR, CODES>(qx, r0, panel, out, ldo, cols, pf, codes);
   else panel_tile<V, TYPE, MR>(qx, r0, panel, out, ldo, cols, pf);
 }
 
@@ -939,21 +984,45 @@ void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
   // Panels outside (each panel's weights, 9-27 KB for SmolLM2, stay in L1/L2 over a block's
   // rows), rows inside in tiles of MR; the first tile of a panel in a block prefetches its
   // weights. The quantized x is a quarter of its float32 bytes.
+  // Decoded codes where a row block holds 2 tiles or more (16 bytes per weight column).
+  constexpr bool kDecodeOnce = k_quant(TYPE) && !kVnni && (V::L == 8 || TYPE != Q4_K);
+  const bool decode_once = kDecodeOnce && (m < rb ? m : rb) >= 2 * MR;
 #pragma omp parallel if (n * nb * (m < 4 ? m : 4) >= (1 << 11))
-  for (int64_t r0 = 0; r0 < m; r0 += rb) {
-    const int64_t r1 = r0 + rb < m ? r0 + rb : m;
+  {
+    uint8_t* codes = decode_once ? static_cast<uint8_t*>(std::malloc(nb * QK * PR)) : nullptr;
+    for (int64_t r0 = 0; r0 < m; r0 += rb) {
+      const int64_t r1 = r0 + rb < m ? r0 + rb : m;
+      const bool once = codes && r1 - r0 >= 2 * MR;
 #pragma omp for schedule(static) nowait
-    for (int64_t p = 0; p < panels; ++p) {
-      const uint8_t* panel = w + p * panel_bytes;
-      const int64_t cols = n - p * PR;
-      T* o = out + p * PR;
-      int64_t r = r0;
-      for (; r + MR <= r1; r += MR) tile<V, TYPE, MR>(qx, r, panel, o, n, cols, r == r0);
-      if constexpr (MR > 4)
-        for (; r + 4 <= r1; r += 4) tile<V, TYPE, 4>(qx, r, panel, o, n, cols, r == r0);
-      for (; r + 2 <= r1; r += 2) tile<V, TYPE, 2>(qx, r, panel, o, n, cols, r == r0);
-      if (r < r1) tile<V, TYPE, 1>(qx, r, panel, o, n, cols, r == r0);
+      for (int64_t p = 0; p < panels; ++p) {
+        const uint8_t* panel = w + p * panel_bytes;
+        const int64_t cols = n - p * PR;
+        T* o = out + p * PR;
+        int64_t r = r0;
+        if (once) {
+          if constexpr (kDecodeOnce) {
+            tile<V, TYPE, MR, kCodesWrite>(qx, r, panel, o, n, cols, true, codes);
+            for (r += MR; r + MR <= r1; r += MR)
+              tile<V, TYPE, MR, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
+            if constexpr (MR > 4)
+              for (; r + 4 <= r1; r += 4)
+                tile<V, TYPE, 4, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
+            for (; r + 2 <= r1; r += 2)
+              tile<V, TYPE, 2, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
+            if (r < r1) tile<V, TYPE, 1, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
+          }
+          continue;
+        }
+        for (; r + MR <= r1; r += MR)
+          tile<V, TYPE, MR, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
+        if constexpr (MR > 4)
+          for (; r + 4 <= r1; r += 4)
+            tile<V, TYPE, 4, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
+        for (; r + 2 <= r1; r += 2) tile<V, TYPE, 2, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
+        if (r < r1) tile<V, TYPE, 1, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
+      }
     }
+    std::free(codes);
   }
 }
 #endif
