@@ -27,7 +27,8 @@
 // A tile is MR rows of x against all 16 columns of a panel (tile_rows: 8 rows with AVX-512's
 // 32 registers, 3-4 with AVX2's 16), so each decoded weight vector serves MR rows and each
 // broadcast activation the panel's column vectors; the K-quants walk one sub-block at a time to
-// keep a tile's sums in registers. x is quantized once per call, 8 lanes at a time (bit-equal
+// keep a tile's sums in registers, and without VNNI the first tile over a panel leaves its
+// decoded codes for the rest (kCodesWrite). x is quantized once per call, 8 lanes at a time (bit-equal
 // to the scalar loop, which the generic variant runs).
 //
 // Built once per tier and, where the tier allows, twice: PAGEDSERVE_Q8_VNNI set (with

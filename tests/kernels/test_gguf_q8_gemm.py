@@ -1,7 +1,8 @@
 """The int8-activation GGUF kernel (``--cpu-linear-mode int8``): every variant the CPU runs
 (portable loop, the tier's maddubs loop, its VNNI loop) on every ISA tier (the ``isa``
 fixture) equals ``kernels/q8_reference.py``'s torch arithmetic, for every type, at
-row counts that fill the 8-, 4- and 3-row tiles and ragged ones (and, at 300 rows of 2048, three
+row counts that fill the 8-, 4- and 3-row tiles and ragged ones (from 9 rows without VNNI, the
+K-quant codes the first tile of a panel decodes for the others; at 300 rows of 2048, three
 passes of the 256 KB row blocks), output counts that fill the 16-row panels
 and ragged ones (the half panels of AVX2's 8 lanes too), writing every output (NaN-poisoned
 buffers), float32 and bfloat16 activations."""
