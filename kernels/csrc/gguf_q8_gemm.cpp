@@ -28,8 +28,8 @@
 // 32 registers, 3-4 with AVX2's 16), so each decoded weight vector serves MR rows and each
 // broadcast activation the panel's column vectors; the K-quants walk one sub-block at a time to
 // keep a tile's sums in registers, and without VNNI the first tile over a panel leaves its
-// decoded codes for the rest (kCodesWrite). x is quantized once per call, 8 lanes at a time (bit-equal
-// to the scalar loop, which the generic variant runs).
+// decoded codes for the rest (kCodesWrite). x is quantized once per call, 8 lanes at a time
+// (bit-equal to the scalar loop, which the generic variant runs).
 //
 // Built once per tier and, where the tier allows, twice: PAGEDSERVE_Q8_VNNI set (with
 // -mavx512vnni in the avx512 tier, -mavxvnni in the avx2 one; kernels/cpu_build.py) names the
@@ -376,7 +376,8 @@ struct I16 {
   static I s8pairs(const uint8_t* a, const uint8_t* b) {
     const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
     const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
+    return _mm512_cvtepi8_epi16(
+        _mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb)));
   }
   static I u8pairs(const uint8_t* a, const uint8_t* b) {
     const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
@@ -785,9 +786,9 @@ inline void q6k_block_end(typename V::F (*acc)[kNC<V>], const typename V::I (*to
 // Q6_K against Q8_K-style activations (one scale dx per 256): per 16-weight group, the integer
 // sum (codes q6 - 32, the -32 as -32 * the group's activation sum) times its int8 scale, summed
 // in integers over the whole block, then one float step d * dx.
-template <class V, int MR, int CODES, typename T>
+template <class V, int MR, typename T>
 inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out,
-                           int64_t ldo, int64_t cols, bool pf, uint8_t* codes) {
+                           int64_t ldo, int64_t cols, bool pf) {
   constexpr int NC = kNC<V>;
   constexpr int64_t pb = packed_bytes(Q6_K), tail = tail_off(Q6_K), hoff = high_off(Q6_K);
   const int64_t nb = qx.nb;
@@ -826,16 +827,9 @@ inline void panel_tile_q6k(const QuantX& qx, int64_t r0, const uint8_t* panel, T
 #pragma GCC unroll 16
           for (int c = 0; c < NC; ++c) {
             const int64_t o = c * V::L * 4;
-            const int64_t co = ((b * 8 + s) * 8 + g) * 64 + o;
-            if constexpr (CODES == kCodesRead) {
-              u[c] = V::load(codes + co);
-            } else {
-              const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
-              const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
-              u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw),
-                            V::bits_to4(hv, 2 * s4, 0x30));
-              if constexpr (CODES == kCodesWrite) V::store(codes + co, u[c]);
-            }
+            const typename V::I raw = V::load(blk + (16 * h + 8 * (s4 & 1) + g) * 64 + o);
+            const typename V::I hv = V::load(blk + hoff + (8 * h + g) * 64 + o);
+            u[c] = V::or_(s4 >> 1 ? V::high4(raw) : V::low4(raw), V::bits_to4(hv, 2 * s4, 0x30));
           }
 #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
@@ -891,7 +885,8 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
       typename V::I sab[NC];
       #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c)
-        sab[c] = V::s8pairs(blk + tail + 2 * s * 16 + c * V::L, blk + tail + (2 * s + 1) * 16 + c * V::L);
+        sab[c] = V::s8pairs(blk + tail + 2 * s * 16 + c * V::L,
+                            blk + tail + (2 * s + 1) * 16 + c * V::L);
       #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (r0 + r) * nb + b * 8 + s;
@@ -936,7 +931,8 @@ inline void panel_tile_q6k_pairs(const QuantX& qx, int64_t r0, const uint8_t* pa
             const typename V::I x0 = V::bcast(q + 4 * g), x1 = V::bcast(q + 4 * g + 4);
             #pragma GCC unroll 16
             for (int c = 0; c < NC; ++c)
-              tot[r][c] = V::widen(tot[r][c], add16_chain(V::pairs(u0[c], x0), V::pairs(u1[c], x1)), sc[c]);
+              tot[r][c] = V::widen(
+                  tot[r][c], add16_chain(V::pairs(u0[c], x0), V::pairs(u1[c], x1)), sc[c]);
           }
         }
       }
@@ -951,8 +947,7 @@ inline void tile(const QuantX& qx, int64_t r0, const uint8_t* panel, T* out, int
                  int64_t cols, bool pf, uint8_t* codes) {
   if constexpr (TYPE == Q6_K && !kVnni)
     panel_tile_q6k_pairs<V, MR, CODES>(qx, r0, panel, out, ldo, cols, pf, codes);
-  else if constexpr (TYPE == Q6_K)
-    panel_tile_q6k<V, MR, CODES>(qx, r0, panel, out, ldo, cols, pf, codes);
+  else if constexpr (TYPE == Q6_K) panel_tile_q6k<V, MR>(qx, r0, panel, out, ldo, cols, pf);
   else if constexpr (TYPE == Q4_K || TYPE == Q5_K)
     panel_tile_k<V, TYPE, MR, CODES>(qx, r0, panel, out, ldo, cols, pf, codes);
   else panel_tile<V, TYPE, MR>(qx, r0, panel, out, ldo, cols, pf);
@@ -985,7 +980,8 @@ void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
   // Panels outside (each panel's weights, 9-27 KB for SmolLM2, stay in L1/L2 over a block's
   // rows), rows inside in tiles of MR; the first tile of a panel in a block prefetches its
   // weights. The quantized x is a quarter of its float32 bytes.
-  // Decoded codes where a row block holds 2 tiles or more (16 bytes per weight column).
+  // Decoded codes (kCodesWrite) where a row block holds 2 tiles or more: a buffer per thread
+  // of one panel's codes, 16 x K bytes.
   constexpr bool kDecodeOnce = k_quant(TYPE) && !kVnni && (V::L == 8 || TYPE != Q4_K);
   const bool decode_once = kDecodeOnce && (m < rb ? m : rb) >= 2 * MR;
 #pragma omp parallel if (n * nb * (m < 4 ? m : 4) >= (1 << 11))
