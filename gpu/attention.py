@@ -57,7 +57,6 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
-    reads_8bit_kv: bool  # takes int8 / fp8 caches (kernels/kv_quant.py): --kv-cache-dtype
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -96,7 +95,6 @@ class TorchAttentionBackend:
     prefill = staticmethod(reference.paged_prefill_attention)
     reshape_and_cache = staticmethod(reference.reshape_and_cache)
     multi_query_decode = False  # decodes with drafts are prefill chunks here
-    reads_8bit_kv = True  # --kv-cache-dtype fp8/int8 caches (kernels/kv_quant.py)
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -163,7 +161,6 @@ class TritonAttentionBackend:
 
     name = "triton"
     multi_query_decode = False  # decodes with drafts are prefill chunks here
-    reads_8bit_kv = False  # not yet: the kernels read caches in the query's dtype
 
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -33,19 +33,6 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return _CACHE_DTYPES[name]
 
 
-def check_kv_cache_dtype(name: str, dtype: torch.dtype, backend) -> None:
-    """Refuse an 8-bit ``--kv-cache-dtype`` (``dtype``, from ``cache_dtype``) that the
-    attention ``backend`` (``gpu/attention.py``'s ``reads_8bit_kv``) cannot read.
-
-    Raises:
-        ValueError: says which backends read it.
-    """
-    if kv_quant.is_quantized(dtype) and not backend.reads_8bit_kv:
-        raise ValueError(f"--kv-cache-dtype {name}: the {backend.name} attention backend cannot "
-                         "read 8-bit KV blocks; use --kv-cache-dtype auto, or the cpu or torch "
-                         "backend (PAGEDSERVE_ATTENTION_BACKEND)")
-
-
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_size)`` of the model."""
     heads = config.num_attention_heads

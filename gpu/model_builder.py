@@ -75,7 +75,6 @@ def build_model(resolved: loader.ResolvedModel, mc: ModelConfig, cache_config: C
     if (factors := longrope_factors(hf_config, max_model_len)) is not None:
         log.info("longrope_factors", factors=factors, max_model_len=max_model_len)
     attn_backend = get_attention_backend(device, dtype)
-    kv_cache.check_kv_cache_dtype(cache_config.kv_cache_dtype, kv_dtype, attn_backend)
     ops = get_layer_ops(attn_backend.name, dtype)
     layout = None if parallel is None else parallel.layout
     quantization = pick_quantization(quantization_flag, resolved, device, dtype)

@@ -56,3 +56,18 @@ def soft_cap(s, cap):
     same units (both base 2 here), as ``1 - 2 / (1 + e^(2y))``: saturates at +-cap, no NaN."""
     e = tl.math.exp2(s * (2.0 * 1.4426950408889634 / cap))
     return cap * (1.0 - 2.0 / (1.0 + e))
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, scale_ptr, kv_off, offs_d, n_mask, d_mask,
+                 HEAD_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
+    """A K or V tile ``[N, D]`` of tokens at element offsets ``kv_off`` ``[N]``: the cache's
+    values, or for an 8-bit cache (``kernels/kv_quant.py``: a row's codes, then its float32
+    scale) codes times the row's scale, in float32. ``scale_ptr`` is the cache's storage as
+    float32 (a row's scale at element ``(row + HEAD_SIZE) / 4``; rows are 4-byte aligned)."""
+    tile = tl.load(cache_ptr + kv_off[:, None] + offs_d[None, :],
+                   mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if QUANTIZED:
+        scale = tl.load(scale_ptr + (kv_off + HEAD_SIZE) // 4, mask=n_mask, other=0.0)
+        tile = tile.to(tl.float32) * scale[:, None]
+    return tile

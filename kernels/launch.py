@@ -24,3 +24,18 @@ def prepare_query_and_out(
     if query.stride(2) != 1:
         query = query.contiguous()
     return query, torch.empty_like(query) if out is None else out
+
+
+def kv_scale_view(cache: torch.Tensor) -> torch.Tensor:
+    """The storage of an 8-bit cache (``kernels/kv_quant.py``) as float32, where the kernels
+    read each row's scale; the cache itself otherwise (not read).
+
+    Raises:
+        ValueError: an 8-bit cache whose rows are not whole float32 words (head_size % 4).
+    """
+    if cache.element_size() != 1:
+        return cache
+    if cache.shape[-1] % 4 or not cache.is_contiguous():
+        raise ValueError("8-bit KV caches need contiguous rows of head_size + 4 bytes with "
+                         f"head_size a multiple of 4, not rows of {cache.shape[-1]}")
+    return cache.view(torch.uint8).view(torch.float32)

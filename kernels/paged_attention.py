@@ -3,7 +3,8 @@
 Same arguments and result as ``kernels.reference.paged_decode_attention``: one query token per
 sequence (at position ``seq_lens[i] - 1``) against that sequence's K/V, read through its
 ``block_table`` row. Layout: ``key_cache``/``value_cache`` are
-``[num_blocks, block_size, num_kv_heads, head_size]``.
+``[num_blocks, block_size, num_kv_heads, head_size]``, or 8-bit caches (``--kv-cache-dtype``,
+``kernels/kv_quant.py``) of ``head_size + 4`` per row, read as codes times each row's scale.
 
 One program handles one (sequence, KV head) and all the query heads that share it (GQA), so each
 K/V element is read once per sequence. It walks the context in tiles of ``TILE_N`` tokens; each
@@ -25,8 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_tiles import kv_tile_offsets, online_softmax_step, soft_cap
-from pagedserve.kernels.launch import prepare_query_and_out
+from pagedserve.kernels.attention_tiles import (
+    kv_tile_offsets,
+    load_kv_tile,
+    online_softmax_step,
+    soft_cap,
+)
+from pagedserve.kernels.launch import kv_scale_view, prepare_query_and_out
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -35,7 +41,7 @@ MIN_TOKENS_PER_SPLIT = 256
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (read when HAS_WINDOW)
@@ -45,6 +51,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -77,14 +84,15 @@ def _decode_kernel(
         n_mask = pos < end
         kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
                                  kv_head * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE,
+                         QUANTIZED)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # s: [G, N]
         if HAS_CAP:
             s = soft_cap(s, cap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m, l_sum, acc, p = online_softmax_step(m, l_sum, acc, s)  # the tile has a valid token
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE,
+                         QUANTIZED)
         acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
     _store_split(out_ptr, part_out_ptr, part_lse_ptr, m, l_sum, acc, seq, split, heads, offs_d,
@@ -220,14 +228,15 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
-        query, key_cache, value_cache, block_table, seq_lens, out, part_out, part_lse,
+        query, key_cache, value_cache, kv_scale_view(key_cache), kv_scale_view(value_cache),
+        block_table, seq_lens, out, part_out, part_lse,
         scale * LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         GROUP=group, GROUP_PAD=group_pad, TILE_N=_tile_n(group_pad, head_pad),
         NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
-        HAS_CAP=logits_soft_cap is not None,
+        HAS_CAP=logits_soft_cap is not None, QUANTIZED=key_cache.element_size() == 1,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](

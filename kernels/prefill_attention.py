@@ -3,7 +3,9 @@
 Same arguments and result as ``kernels.reference.paged_prefill_attention``. Sequence ``i``'s
 queries are ``query[query_start_loc[i]:query_start_loc[i+1]]``, its *last* ``q_len`` tokens of
 ``seq_lens[i]``; their K/V (this chunk's, written by ``reshape_and_cache`` just before, and any
-earlier context: a prefix-cache hit or an earlier chunk) are read through the block table.
+earlier context: a prefix-cache hit or an earlier chunk) are read through the block table;
+from an 8-bit cache (``kernels/kv_quant.py``) as codes times each row's scale, in the query's
+dtype.
 
 Flash-attention style (Dao et al., 2022): one program per (sequence, tile of ``BLOCK_M``
 queries, query head) streams K/V tiles of ``BLOCK_N`` tokens up to its last query's position,
@@ -19,18 +21,20 @@ import triton.language as tl
 
 from pagedserve.kernels.attention_tiles import (
     kv_tile_offsets,
+    load_kv_tile,
     online_softmax_step,
     online_softmax_step_masked,
     soft_cap,
 )
-from pagedserve.kernels.launch import prepare_query_and_out
+from pagedserve.kernels.launch import kv_scale_view, prepare_query_and_out
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
+    query_start_loc_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (read when HAS_WINDOW)
     cap,  # soft cap * log2(e), the scores' base-2 units (read when HAS_CAP)
@@ -39,7 +43,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_CAP: tl.constexpr,
+    HAS_CAP: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     seq, m_tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -77,14 +81,15 @@ def _prefill_kernel(
         n_mask = pos < kv_end
         kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
                                  kv_head * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _load_tile(k_cache_ptr, kv_off, offs_d, kv_mask, DOT_FP32)
+        k = _load_tile(k_cache_ptr, k_scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE,
+                       DOT_FP32, QUANTIZED).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # s: [M, N]
         if HAS_CAP:
             s = soft_cap(s, cap)
         m_i, l_i, acc, p = _causal_softmax_step(m_i, l_i, acc, s, pos, q_pos, n_mask, window,
                                                 HAS_WINDOW)
-        v = _load_tile(v_cache_ptr, kv_off, offs_d, kv_mask, DOT_FP32)
+        v = _load_tile(v_cache_ptr, v_scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE,
+                       DOT_FP32, QUANTIZED).to(q.dtype)
         acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only for padding rows (not stored)
@@ -99,10 +104,13 @@ def _store_rows(out_ptr, o, rows, head, offs_d, m_mask, d_mask, stride_ot, strid
 
 
 @triton.jit
-def _load_tile(cache_ptr, kv_off, offs_d, kv_mask, DOT_FP32: tl.constexpr):
+def _load_tile(cache_ptr, scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE: tl.constexpr,
+               DOT_FP32: tl.constexpr, QUANTIZED: tl.constexpr):
     """A K or V tile (inlined into ``_prefill_kernel``): ``[N, D]`` through the block table's
-    offsets, float32 when the dots run in float32."""
-    tile = tl.load(cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    offsets, float32 when the dots run in float32 or the cache is 8-bit (codes times the
+    row's scale; the caller casts to the query's dtype)."""
+    tile = load_kv_tile(cache_ptr, scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE,
+                        QUANTIZED)
     if DOT_FP32:
         tile = tile.to(tl.float32)
     return tile
@@ -167,13 +175,14 @@ def paged_prefill_attention(
     precision = "ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32"
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out,
+        query, key_cache, value_cache, kv_scale_view(key_cache), kv_scale_view(value_cache),
+        block_table, seq_lens, query_start_loc, out,
         scale * LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         GROUP=num_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
         DOT_FP32=dot_fp32, HAS_WINDOW=sliding_window is not None,
-        HAS_CAP=logits_soft_cap is not None,
+        HAS_CAP=logits_soft_cap is not None, QUANTIZED=key_cache.element_size() == 1,
     )
     return out

@@ -1,6 +1,6 @@
 """The attention backends: chosen by device or by PAGEDSERVE_ATTENTION_BACKEND; Triton equals
 the torch backend on a mixed step, and the whole engine gives the same greedy tokens with the
-torch, cpu and Triton backends.
+torch, cpu and Triton backends, with caches in the model's dtype and in 8 bits.
 
 Without CUDA the kernels run in Triton's interpreter (see ``tests/triton_interpreter.py``).
 """
@@ -26,6 +26,7 @@ from pagedserve.gpu.attention import (
 from pagedserve.gpu.batch import BatchLayout, ScheduledRequest
 from pagedserve.gpu.cuda_graph import DecodeBatch
 from pagedserve.gpu.sample.sampling_params import SamplingParams
+from pagedserve.kernels import kv_quant
 from pagedserve.server.launch import running_server
 from pagedserve.server.openai.serving import ServingConfig
 from tests.conftest import TINY_NAME, chat, engine_config
@@ -66,8 +67,10 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
         TritonAttentionBackend(torch.device("cpu"))
 
 
-def test_mixed_step_matches_torch_backend():
-    """Two decodes then two prefill chunks (one after cached context), in one step."""
+@pytest.mark.parametrize("kv_dtype", [None, *kv_quant.DTYPES])
+def test_mixed_step_matches_torch_backend(kv_dtype):
+    """Two decodes then two prefill chunks (one after cached context), in one step; with an
+    8-bit cache (``--kv-cache-dtype``) too: the same bytes written, the same values read."""
     g = torch.Generator().manual_seed(7)
     block_size, kv_heads, heads, head_size = 4, 2, 4, 16
     seq_lens = [9, 4, 6, 12]  # after this step
@@ -75,6 +78,8 @@ def test_mixed_step_matches_torch_backend():
     table = torch.randperm(16, generator=g)[:12].view(4, 3).int()
     kc = torch.randn(16, block_size, kv_heads, head_size, generator=g)
     vc = torch.randn(16, block_size, kv_heads, head_size, generator=g)
+    if kv_dtype is not None:
+        kc, vc = kv_quant.quantize(kc, kv_dtype), kv_quant.quantize(vc, kv_dtype)
     slots = []
     for i, (s, n) in enumerate(zip(seq_lens, q_lens, strict=True)):
         slots += [int(table[i, p // block_size]) * block_size + p % block_size
@@ -98,8 +103,10 @@ def test_mixed_step_matches_torch_backend():
         backend.write_kv(k.to(DEVICE), v.to(DEVICE), cache, m)
         outs.append(backend.forward(q.to(DEVICE), cache, m, head_size**-0.5).cpu())
         caches.append([c.cpu() for c in cache])
+    caches = [[c.view(torch.uint8) if kv_dtype else c for c in pair] for pair in caches]
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    assert not torch.equal(caches[0][0], kc)  # the step's K really was written
+    before = kc.view(torch.uint8) if kv_dtype else kc
+    assert not torch.equal(caches[0][0], before)  # the step's K really was written
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
@@ -153,12 +160,15 @@ def test_decode_batch_copies_rows_and_only_changed_block_tables():
     assert batch.block_table[0].tolist() == [7, 2, 0]
 
 
-async def test_engine_greedy_tokens_same_as_torch_backend(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+async def test_engine_greedy_tokens_same_as_torch_backend(tiny_model_dir, monkeypatch,
+                                                          kv_cache_dtype):
     prompts = ["What is the capital of France?", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17"]
     tokens = {}
     for name in ("torch", "cpu", "triton"):
         monkeypatch.setenv(BACKEND_ENV, name)
-        engine = await AsyncEngine.start(engine_config(tiny_model_dir, block_size=8))
+        engine = await AsyncEngine.start(engine_config(tiny_model_dir, block_size=8,
+                                                       kv_cache_dtype=kv_cache_dtype))
         try:
             assert engine.info.attention_backend == name
             async with running_server(engine, ServingConfig(TINY_NAME)) as url:

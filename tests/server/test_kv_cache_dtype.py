@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from pagedserve.gpu import kv_cache
-from pagedserve.gpu.attention import TritonAttentionBackend
 from pagedserve.gpu.config import CacheConfig
 from pagedserve.gpu.loader import load_config
 from pagedserve.server.cli import build_parser
@@ -70,12 +69,3 @@ def test_bad_kv_cache_dtype_is_a_usage_error(capsys):
     assert args.kv_cache_dtype == "fp8_e5m2" and args.vllm_ignored == []
     with pytest.raises(ValueError, match="choose from"):
         kv_cache.cache_dtype("fp4", torch.float32)
-
-
-def test_a_backend_that_cannot_read_8bit_blocks_is_refused(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
-    backend = TritonAttentionBackend(torch.device("cpu"))
-    with pytest.raises(ValueError, match="triton attention backend cannot read 8-bit"):
-        kv_cache.check_kv_cache_dtype("int8", torch.int8, backend)
-    kv_cache.check_kv_cache_dtype("auto", torch.float32, backend)  # fine
