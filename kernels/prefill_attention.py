@@ -38,8 +38,7 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (read when HAS_WINDOW)
     cap,  # soft cap * log2(e), the scores' base-2 units (read when HAS_CAP)
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_kb, stride_ks, stride_kh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_ks, stride_kh,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -52,7 +51,6 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens cached before this chunk
-    kv_head = head // GROUP
 
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -80,7 +78,7 @@ def _prefill_kernel(
         pos = tile_start + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
         kv_off = kv_tile_offsets(block_table_ptr + seq * stride_bt, pos, n_mask,
-                                 kv_head * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
+                                 (head // GROUP) * stride_kh, BLOCK_SIZE, stride_kb, stride_ks)
         k = _load_tile(k_cache_ptr, k_scale_ptr, kv_off, offs_d, n_mask, d_mask, HEAD_SIZE,
                        DOT_FP32, QUANTIZED).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # s: [M, N]
