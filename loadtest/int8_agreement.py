@@ -71,6 +71,19 @@ def first_divergence(a: list[int], b: list[int]) -> int:
                 min(len(a), len(b)))
 
 
+def agreement(ref: list[list[int]], got: list[list[int]], tokens: int) -> dict:
+    """Per prompt the first position where ``got`` leaves ``ref`` (``tokens`` = never), their
+    mean, the prompts identical throughout, and the tokens equal up to the first divergence
+    over all tokens."""
+    firsts = [first_divergence(a, b) for a, b in zip(ref, got, strict=True)]
+    return {
+        "prompts": len(ref), "tokens": tokens, "first_divergence": firsts,
+        "mean_first_divergence": round(sum(firsts) / len(firsts), 2),
+        "identical_prompts": sum(f == tokens for f in firsts),
+        "token_agreement": round(sum(firsts) / sum(len(a) for a in ref), 4),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=64)
@@ -79,15 +92,7 @@ def main() -> None:
     extra = shlex.split(args.extra)
     exact = run_mode("exact", args.tokens, extra)
     int8 = run_mode("int8", args.tokens, extra)
-    firsts = [first_divergence(a, b) for a, b in zip(exact, int8, strict=True)]
-    total = sum(len(a) for a in exact)
-    print(json.dumps({
-        "prompts": len(PROMPTS), "tokens": args.tokens, "extra": args.extra,
-        "first_divergence": firsts,
-        "mean_first_divergence": round(sum(firsts) / len(firsts), 2),
-        "identical_prompts": sum(f == args.tokens for f in firsts),
-        "token_agreement": round(sum(firsts) / total, 4),
-    }))
+    print(json.dumps({**agreement(exact, int8, args.tokens), "extra": args.extra}))
 
 
 if __name__ == "__main__":

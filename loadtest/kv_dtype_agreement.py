@@ -21,7 +21,7 @@ import shlex
 import signal
 import subprocess
 
-from int8_agreement import PROMPTS, _greedy, first_divergence
+from int8_agreement import _greedy, agreement
 
 from pagedserve.server.launch import start_server_process
 
@@ -46,17 +46,10 @@ def main() -> None:
     args = p.parse_args()
     extra = shlex.split(args.extra)
     auto = run_dtype("auto", args.tokens, extra)
-    total = sum(len(a) for a in auto)
     for kv_dtype in DTYPES:
         got = run_dtype(kv_dtype, args.tokens, extra)
-        firsts = [first_divergence(a, b) for a, b in zip(auto, got, strict=True)]
-        print(json.dumps({
-            "kv_cache_dtype": kv_dtype, "prompts": len(PROMPTS), "tokens": args.tokens,
-            "extra": args.extra, "first_divergence": firsts,
-            "mean_first_divergence": round(sum(firsts) / len(firsts), 2),
-            "identical_prompts": sum(f == args.tokens for f in firsts),
-            "token_agreement": round(sum(firsts) / total, 4),
-        }), flush=True)
+        print(json.dumps({"kv_cache_dtype": kv_dtype, **agreement(auto, got, args.tokens),
+                          "extra": args.extra}), flush=True)
 
 
 if __name__ == "__main__":
