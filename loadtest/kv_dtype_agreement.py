@@ -3,9 +3,10 @@ of ``int8_agreement.py`` (16 prompts, 64 tokens each, EOS ignored, all at once) 
 model with ``--kv-cache-dtype auto`` and with each 8-bit dtype, token for token against
 ``auto``. One server per dtype; the other flags are the server's defaults plus ``--extra``.
 
-Prints one JSON line per dtype (``auto`` first, a second server: the control): per prompt the first position where its tokens leave
-``auto``'s (64 = never), their mean, the prompts identical throughout, and the token agreement
-(tokens equal up to the first divergence over all tokens). Speed at 32 streams with long
+Prints one JSON line per dtype (``auto`` first, a second server: the control): per prompt
+the first position where its tokens leave ``auto``'s (64 = never), their mean, the prompts
+identical throughout, and the token agreement (tokens equal up to the first divergence over
+all tokens). Speed at 32 streams with long
 contexts: ``bench_serving.py --launch --server-args "--kv-cache-dtype int8" --dataset random
 --input-len 1500:2000 --output-len 64:64 --max-concurrency 32 --num-prompts 32 --ignore-eos``.
 
