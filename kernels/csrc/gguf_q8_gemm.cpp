@@ -215,9 +215,17 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
-// acc + p in int32 lanes, as an asm statement so that GCC keeps a tile's sums as chains: it
-// reassociated the maddubs tiles' widened sums into trees that held a block's products live
-// at once, spilled to the stack (Zen 4, AVX2 Q6_K at 32 rows: 78 -> 90 GMAC/s with this).
+// acc + p in int16 / int32 lanes, as asm statements so that GCC keeps a tile's sums as
+// chains: it reassociates a chain of integer adds into a tree that keeps every product live at
+// once, which spilled AVX2's 16 registers to the stack (the int16 pair sums: the AVX2 tier ran
+// at ~60 % of DotSum's speed; the widened int32 sums: Zen 4, AVX2 Q6_K at 32 rows 78 -> 90
+// GMAC/s with add32_chain).
+template <class I>
+inline I add16_chain(I acc, I p) {
+  __asm__("vpaddw %1, %0, %0" : "+v"(acc) : "v"(p));
+  return acc;
+}
+
 template <class I>
 inline I add32_chain(I acc, I p) {
   __asm__("vpaddd %1, %0, %0" : "+v"(acc) : "v"(p));
@@ -446,14 +454,7 @@ using IV = I8;
 // int16 sums exact: codes below 16 (Q4): 8 (8 * 2 * 15 * 127 < 32768); below 32 (Q5): 4;
 // below 64: 2. kChains > 1 (VNNI, tiles of few rows): products alternate between independent
 // accumulators, so one row's chain of dependent vpdpbusd does not bound a decode step.
-// The int16 adds are an asm statement: GCC reassociates a chain of integer adds into a tree
-// that keeps every product live at once, which spills AVX2's 16 registers to the stack (and
-// ran the AVX2 tier at ~60 % of this loop's speed).
-template <class I>
-inline I add16_chain(I acc, I p) {
-  __asm__("vpaddw %1, %0, %0" : "+v"(acc) : "v"(p));
-  return acc;
-}
+// The int16 adds are add16_chain's asm statement (see add32_chain).
 
 template <class V, int kPer, int kChains = 1>
 struct DotSum {
@@ -970,6 +971,23 @@ constexpr int tile_rows() {
 // with it, a K = 8192 down projection Q4_K 132 -> 169 and Q6_K 86 -> 123.
 constexpr int64_t kRowBlockBytes = 1 << 18;
 
+// Rows r0 .. r1 of x against one panel, in tiles of MR rows then 4, 2, 1: the first tile
+// (a full one, with codes FIRST) prefetches the panel's weights, the others take codes REST.
+template <class V, int64_t TYPE, int FIRST, int REST, typename T>
+inline void row_tiles(const QuantX& qx, int64_t r0, int64_t r1, const uint8_t* panel, T* out,
+                      int64_t ldo, int64_t cols, uint8_t* codes) {
+  constexpr int MR = tile_rows<V, TYPE>();
+  int64_t r = r0;
+  if (r + MR <= r1) tile<V, TYPE, MR, FIRST>(qx, r, panel, out, ldo, cols, true, codes), r += MR;
+  for (; r + MR <= r1; r += MR)
+    tile<V, TYPE, MR, REST>(qx, r, panel, out, ldo, cols, false, codes);
+  if constexpr (MR > 4)
+    for (; r + 4 <= r1; r += 4)
+      tile<V, TYPE, 4, REST>(qx, r, panel, out, ldo, cols, r == r0, codes);
+  for (; r + 2 <= r1; r += 2) tile<V, TYPE, 2, REST>(qx, r, panel, out, ldo, cols, r == r0, codes);
+  if (r < r1) tile<V, TYPE, 1, REST>(qx, r, panel, out, ldo, cols, r == r0, codes);
+}
+
 template <class V, int64_t TYPE, typename T>
 void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
   constexpr int MR = tile_rows<V, TYPE>();
@@ -993,30 +1011,14 @@ void q8_simd(const QuantX& qx, const uint8_t* w, T* out, int64_t m, int64_t n) {
 #pragma omp for schedule(static) nowait
       for (int64_t p = 0; p < panels; ++p) {
         const uint8_t* panel = w + p * panel_bytes;
-        const int64_t cols = n - p * PR;
         T* o = out + p * PR;
-        int64_t r = r0;
-        if (once) {
-          if constexpr (kDecodeOnce) {
-            tile<V, TYPE, MR, kCodesWrite>(qx, r, panel, o, n, cols, true, codes);
-            for (r += MR; r + MR <= r1; r += MR)
-              tile<V, TYPE, MR, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
-            if constexpr (MR > 4)
-              for (; r + 4 <= r1; r += 4)
-                tile<V, TYPE, 4, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
-            for (; r + 2 <= r1; r += 2)
-              tile<V, TYPE, 2, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
-            if (r < r1) tile<V, TYPE, 1, kCodesRead>(qx, r, panel, o, n, cols, false, codes);
+        if constexpr (kDecodeOnce)
+          if (once) {
+            row_tiles<V, TYPE, kCodesWrite, kCodesRead>(qx, r0, r1, panel, o, n, n - p * PR,
+                                                        codes);
+            continue;
           }
-          continue;
-        }
-        for (; r + MR <= r1; r += MR)
-          tile<V, TYPE, MR, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
-        if constexpr (MR > 4)
-          for (; r + 4 <= r1; r += 4)
-            tile<V, TYPE, 4, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
-        for (; r + 2 <= r1; r += 2) tile<V, TYPE, 2, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
-        if (r < r1) tile<V, TYPE, 1, 0>(qx, r, panel, o, n, cols, r == r0, nullptr);
+        row_tiles<V, TYPE, 0, 0>(qx, r0, r1, panel, o, n, n - p * PR, nullptr);
       }
     }
     std::free(codes);
