@@ -55,15 +55,19 @@ async def _greedy(url: str, tokens: int) -> list[list[int]]:
         return await asyncio.gather(*(one(p) for p in PROMPTS))
 
 
-def run_mode(mode: str, tokens: int, extra: list[str]) -> list[list[int]]:
-    proc, url = start_server_process(["--dtype", "float32", *extra, "--cpu-linear-mode", mode],
-                                     timeout=900, stdout=subprocess.DEVNULL,
+def greedy_run(serve_args: list[str], tokens: int) -> list[list[int]]:
+    """The prompts' greedy tokens from a server started with ``serve_args`` (then stopped)."""
+    proc, url = start_server_process(serve_args, timeout=900, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
     try:
         return asyncio.run(_greedy(url, tokens))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def run_mode(mode: str, tokens: int, extra: list[str]) -> list[list[int]]:
+    return greedy_run(["--dtype", "float32", *extra, "--cpu-linear-mode", mode], tokens)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:

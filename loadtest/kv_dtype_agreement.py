@@ -16,28 +16,13 @@ contexts: ``bench_serving.py --launch --server-args "--kv-cache-dtype int8" --da
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
-import signal
-import subprocess
 
-from int8_agreement import _greedy, agreement
-
-from pagedserve.server.launch import start_server_process
+from int8_agreement import agreement, greedy_run
 
 # "auto" again first: the control (a second server, same flags; 1.0 where runs repeat).
 DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
-
-
-def run_dtype(kv_dtype: str, tokens: int, extra: list[str]) -> list[list[int]]:
-    proc, url = start_server_process([*extra, "--kv-cache-dtype", kv_dtype], timeout=900,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        return asyncio.run(_greedy(url, tokens))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 def main() -> None:
@@ -46,9 +31,9 @@ def main() -> None:
     p.add_argument("--extra", default="", help="more serve flags for every server")
     args = p.parse_args()
     extra = shlex.split(args.extra)
-    auto = run_dtype("auto", args.tokens, extra)
+    auto = greedy_run([*extra, "--kv-cache-dtype", "auto"], args.tokens)
     for kv_dtype in DTYPES:
-        got = run_dtype(kv_dtype, args.tokens, extra)
+        got = greedy_run([*extra, "--kv-cache-dtype", kv_dtype], args.tokens)
         print(json.dumps({"kv_cache_dtype": kv_dtype, **agreement(auto, got, args.tokens),
                           "extra": args.extra}), flush=True)
 
